@@ -71,15 +71,17 @@ def _resolve(op: str, backend: str, device: torch.device) -> Callable[..., Any]:
         else:
             backend = "torch"
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(BACKENDS)} or 'auto'")
+        raise ValueError(
+            f"unknown backend {backend!r}; expected one of {sorted(BACKENDS)} or 'auto'"
+        )
     try:
         module = importlib.import_module(BACKENDS[backend])
     except ImportError as exc:
         raise ValueError(f"backend {backend!r} is not available here: {exc}") from exc
-    fn = getattr(module, op, None)
-    if fn is None:
-        raise ValueError(f"backend {backend!r} has no {op} op")
-    return fn
+    try:
+        return getattr(module, op)
+    except (AttributeError, ImportError) as exc:
+        raise ValueError(f"backend {backend!r} has no usable {op} op: {exc!r}") from exc
 
 
 def tree_attention(

@@ -81,7 +81,9 @@ def check_tree_attention(
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
     if total != int(tree.cu_nodes[-1]):
-        raise ValueError(f"q has {total} rows but the tree batch has {int(tree.cu_nodes[-1])} nodes")
+        raise ValueError(
+            f"q has {total} rows but the tree batch has {int(tree.cu_nodes[-1])} nodes"
+        )
     if max_tree_nodes is not None and tree.max_nodes > max_tree_nodes:
         raise ValueError(
             f"a tree has {tree.max_nodes} nodes; this backend supports at most {max_tree_nodes}"
@@ -146,12 +148,16 @@ def check_tree_walk(
         raise ValueError(f"unknown walk mode {mode!r}; expected one of {WALK_MODES}")
     total = int(tree.cu_nodes[-1])
     if logits.dim() != 2 or logits.shape[0] != total:
-        raise ValueError(f"logits must be [{total}, vocab] (one row per node), got {_shape(logits)}")
+        raise ValueError(
+            f"logits must be [{total}, vocab] (one row per node), got {_shape(logits)}"
+        )
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     vocab = logits.shape[1]
     if tokens.shape != (total,) or tokens.dtype.is_floating_point:
-        raise ValueError(f"tokens must be an integer tensor of shape ({total},), got {_shape(tokens)}")
+        raise ValueError(
+            f"tokens must be an integer tensor of shape ({total},), got {_shape(tokens)}"
+        )
     check_device(logits.device, tokens=tokens, uniforms=uniforms, draft_probs=draft_probs)
     if torch.isnan(logits).any():
         row = int(torch.nonzero(torch.isnan(logits).any(-1))[0])
@@ -166,7 +172,9 @@ def check_tree_walk(
     draft = tokens[~is_root]
     if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= vocab):
         bad = int(torch.nonzero(((tokens < 0) | (tokens >= vocab)) & ~is_root)[0])
-        raise ValueError(f"node {bad}: token {int(tokens[bad])} outside the vocabulary [0, {vocab})")
+        raise ValueError(
+            f"node {bad}: token {int(tokens[bad])} outside the vocabulary [0, {vocab})"
+        )
     if draft.numel():
         glob_parent = (tree.parents + tree.cu_nodes[tree.request_ids])[~is_root]
         key = glob_parent * vocab + draft.to(torch.int64)
@@ -190,7 +198,9 @@ def check_tree_walk(
         raise ValueError(f"top_p must be <= 1, got {top_p}")
     if uniforms is not None:
         if uniforms.shape != (total, 2):
-            raise ValueError(f"uniforms must be [{total}, 2] (one pair per node), got {_shape(uniforms)}")
+            raise ValueError(
+                f"uniforms must be [{total}, 2] (one pair per node), got {_shape(uniforms)}"
+            )
         if not uniforms.dtype.is_floating_point:
             raise ValueError(f"uniforms must be floating point, got {uniforms.dtype}")
         if bool(((uniforms < 0) | (uniforms >= 1)).any()):
@@ -252,7 +262,9 @@ def check_kv_compact(
     )
     alen = accepted_len.detach().cpu()
     if bool(((alen < 1) | (alen > accepted_nodes.shape[1])).any()):
-        raise ValueError(f"accepted_len must be in [1, {accepted_nodes.shape[1]}], got {alen.tolist()}")
+        raise ValueError(
+            f"accepted_len must be in [1, {accepted_nodes.shape[1]}], got {alen.tolist()}"
+        )
     nodes = accepted_nodes.detach().cpu()
     valid = torch.arange(nodes.shape[1]) < alen[:, None]
     if bool((nodes[valid] < 0).any()):

@@ -120,9 +120,7 @@ class TokenTree:
         return cls.from_paths(PRESETS[name])
 
     @classmethod
-    def from_paths(
-        cls, paths: Iterable[Sequence[int]], max_nodes: int | None = None
-    ) -> TokenTree:
+    def from_paths(cls, paths: Iterable[Sequence[int]], max_nodes: int | None = None) -> TokenTree:
         """A tree from Medusa / vLLM ``speculative_token_tree`` paths.
 
         Each path lists, from the root down, the sibling rank (top-k index) of the
@@ -192,9 +190,7 @@ class TokenTree:
                 if c == p:
                     raise ValueError(f"node {c}: its own child (a cycle)")
                 if c in parent_of:
-                    raise ValueError(
-                        f"node {c}: two parents ({parent_of[c]} and {p}), or a cycle"
-                    )
+                    raise ValueError(f"node {c}: two parents ({parent_of[c]} and {p}), or a cycle")
                 if c == 0:
                     raise ValueError(f"node 0 is the root but is listed as a child of {p}")
                 parent_of[c] = p
