@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,10 @@ def _resolve(op: str, backend: str, device: torch.device) -> Callable[..., Any]:
     except ImportError as exc:
         raise ValueError(f"backend {backend!r} is not available here: {exc}") from exc
     try:
-        return getattr(module, op)
+        fn = getattr(module, op)
+        if isinstance(fn, types.ModuleType):  # once imported, the submodule shadows the op
+            fn = getattr(fn, op)
+        return fn
     except (AttributeError, ImportError) as exc:
         raise ValueError(f"backend {backend!r} has no usable {op} op: {exc!r}") from exc
 
