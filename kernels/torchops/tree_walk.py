@@ -1,0 +1,238 @@
+"""Tree walk in plain PyTorch, vectorised over requests and nodes.
+
+No Python loop over nodes and no host synchronisation: the only Python loops
+run over depth levels and sibling ranks, whose bounds come from the tree's
+host-side structure (``tree.max_depth`` and the fan-out of each level), so a
+fixed tree shape gives a fixed sequence of kernels (CUDA-graph friendly).
+Same integers as ``kernels.reference.tree_walk`` for the same uniforms:
+probabilities are float64 from the same ``target_probs``, and the bonus token
+is drawn by the same inverse CDF (``reference.sample_from``).
+
+- ``greedy``: node c passes iff its token is the argmax at its parent.
+- ``target_only``: child c of rank r passes iff ``u_c * S < p[t_c]`` where
+  ``S`` is the parent's mass minus a running sum of the earlier siblings'
+  target probabilities (rejected siblings removed, unnormalised).
+- ``draft_probs``: the residual update is sequential over siblings, so this
+  mode walks level by level (one current node per request) and loops over
+  sibling rank, vectorised over requests and the vocabulary.
+
+A node is on the accepted path iff its parent is, it passes, and all its
+earlier siblings failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.reference import WalkResult, target_probs
+
+__all__ = ["child_table", "level_fanout", "sample_inverse_cdf", "tree_walk"]
+
+
+def level_fanout(tree: Any) -> list[int]:
+    """Max number of children of a node at each depth ``0..max_depth-1`` (host ints).
+
+    Read from the host-side ``TokenTree`` objects of a ``TreeBatch`` (no device
+    sync); trees without them fall back to reading ``parents``/``depth`` back.
+    """
+    d = tree.max_depth
+    fan = [0] * d
+    trees = getattr(tree, "trees", None)
+    if trees is not None:
+        for t in trees:
+            for depth, kids in zip(t.depth.tolist(), t.num_children.tolist(), strict=True):
+                if depth < d:
+                    fan[depth] = max(fan[depth], kids)
+        return fan
+    parents = tree.parents.cpu()
+    cu = tree.cu_nodes.cpu()[tree.request_ids.cpu()]
+    depth = tree.depth.cpu()
+    nonroot = parents >= 0
+    counts = torch.bincount((parents + cu)[nonroot], minlength=parents.shape[0])
+    for lvl in range(d):
+        sel = counts[depth == lvl]
+        fan[lvl] = int(sel.max()) if sel.numel() else 0
+    return fan
+
+
+def child_table(tree: Any, kmax: int) -> torch.Tensor:
+    """``int64[T, kmax]``: global index of the r-th child of every node, -1 padded."""
+    total = tree.parents.shape[0]
+    dev = tree.parents.device
+    table = torch.full((total, kmax + 1), -1, dtype=torch.int64, device=dev)
+    idx = torch.arange(total, device=dev)
+    nonroot = tree.parents >= 0
+    gparent = tree.parents.clamp(min=0) + tree.cu_nodes[tree.request_ids]
+    # Roots are written to a spare column of their own row, so no boolean indexing.
+    row = torch.where(nonroot, gparent, idx)
+    col = torch.where(nonroot, tree.sibling_rank, torch.full_like(idx, kmax))
+    table[row, col] = torch.where(nonroot, idx, torch.full_like(idx, -1))
+    return table[:, :kmax]
+
+
+def sample_inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``reference.sample_from``: ``p [B, V]`` unnormalised, ``u [B]`` -> ``int64[B]``."""
+    cdf = torch.cumsum(p, dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    vocab_ids = torch.arange(p.shape[1], device=p.device)
+    last = torch.where(p > 0, vocab_ids, torch.zeros_like(vocab_ids)).amax(-1)
+    return torch.minimum(idx, last)
+
+
+def _path_outputs(on, tree, tokens, d):
+    """From the on-path flags ``bool[T]`` to (len, nodes, drafted tokens, stop node)."""
+    b = tree.num_requests
+    dev = on.device
+    total = on.shape[0]
+    local = torch.arange(total, device=dev) - tree.cu_nodes[tree.request_ids]
+    nonroot = tree.parents >= 0
+    on = on & nonroot
+    acc_len = torch.ones(b, dtype=torch.int64, device=dev)
+    acc_len.index_add_(0, tree.request_ids, on.to(torch.int64))
+    # Scatter into one spare column (d + 1) for nodes that are not on the path.
+    col = torch.where(on, tree.depth, torch.full_like(tree.depth, d + 1))
+    nodes = torch.full((b, d + 2), -1, dtype=torch.int64, device=dev)
+    nodes[tree.request_ids, col] = torch.where(on, local, torch.full_like(local, -1))
+    nodes[:, 0] = 0
+    toks = torch.full((b, d + 2), -1, dtype=torch.int64, device=dev)
+    col_t = torch.where(on, tree.depth - 1, torch.full_like(tree.depth, d + 1))
+    toks[tree.request_ids, col_t] = torch.where(on, tokens.to(torch.int64), -1)
+    stop = torch.zeros(b, dtype=torch.int64, device=dev)
+    stop.scatter_reduce_(0, tree.request_ids, torch.where(on, local, 0), reduce="amax")
+    return acc_len, nodes[:, : d + 1], toks[:, : d + 1], stop
+
+
+def _finish(acc_len, nodes, toks, bonus):
+    toks.scatter_(1, (acc_len - 1)[:, None], bonus[:, None].to(torch.int64))
+    return WalkResult(acc_len, nodes, toks)
+
+
+def _propagate(passes: torch.Tensor, tree: Any) -> torch.Tensor:
+    """On-path flags: a node is on the path iff it and all its ancestors pass."""
+    gparent = tree.parents.clamp(min=0) + tree.cu_nodes[tree.request_ids]
+    is_root = tree.parents < 0
+    on = passes | is_root
+    for _ in range(tree.max_depth):
+        on = (passes & on[gparent]) | is_root
+    return on
+
+
+def _greedy(logits, tokens, tree):
+    amax = torch.argmax(logits, dim=-1)
+    gparent = tree.parents.clamp(min=0) + tree.cu_nodes[tree.request_ids]
+    passes = tokens.to(torch.int64) == amax[gparent]
+    acc_len, nodes, toks, stop = _path_outputs(
+        _propagate(passes, tree), tree, tokens, tree.max_depth
+    )
+    return _finish(acc_len, nodes, toks, amax[tree.cu_nodes[:-1] + stop])
+
+
+def _target_only(probs, tokens, tree, uniforms):
+    d = tree.max_depth
+    kmax = max([1, *level_fanout(tree)])
+    total, vocab = probs.shape
+    tok = tokens.to(torch.int64)
+    u = uniforms.to(torch.float64)
+    table = child_table(tree, kmax)  # [T, K]
+    has = table >= 0
+    kid = table.clamp(min=0)
+    rows = torch.arange(total, device=probs.device)[:, None].expand(-1, kmax)
+    pt = torch.where(has, probs[rows, tok[kid]], 0.0)  # p[parent, token of r-th child]
+    mass = probs.sum(-1, keepdim=True) - (torch.cumsum(pt, dim=1) - pt)  # rejected removed
+    ok = has & (u[kid, 0] * mass < pt)
+    first = ok & (torch.cumsum(ok.to(torch.int64), dim=1) == 1)
+    gparent = tree.parents.clamp(min=0) + tree.cu_nodes[tree.request_ids]
+    passes = first[gparent, tree.sibling_rank] & (tree.parents >= 0)
+    acc_len, nodes, toks, stop = _path_outputs(_propagate(passes, tree), tree, tokens, d)
+    gstop = tree.cu_nodes[:-1] + stop
+    p = probs[gstop]
+    kids = table[gstop]  # the stop node's children were all rejected: remove their tokens
+    hit = torch.zeros(p.shape, dtype=torch.int32, device=p.device)
+    hit.scatter_add_(1, torch.where(kids >= 0, tok[kids.clamp(min=0)], 0), (kids >= 0).int())
+    p = torch.where(hit > 0, torch.zeros_like(p), p)
+    return _finish(acc_len, nodes, toks, sample_inverse_cdf(p, u[gstop, 1]))
+
+
+def _draft_probs(probs, tokens, tree, uniforms, draft_probs):
+    d = tree.max_depth
+    fan = level_fanout(tree)
+    b = tree.num_requests
+    dev = probs.device
+    tok = tokens.to(torch.int64)
+    u = uniforms.to(torch.float64)
+    table = child_table(tree, max([0, *fan]))
+    cur = tree.cu_nodes[:-1].clone()
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    bonus_p = torch.zeros(b, probs.shape[1], dtype=probs.dtype, device=dev)
+    acc_len = torch.ones(b, dtype=torch.int64, device=dev)
+    nodes = torch.full((b, d + 1), -1, dtype=torch.int64, device=dev)
+    nodes[:, 0] = 0
+    toks = torch.full((b, d + 1), -1, dtype=torch.int64, device=dev)
+    for level in range(d):
+        p = probs[cur]
+        q = draft_probs[cur].to(torch.float64)
+        accepted = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        for r in range(fan[level]):
+            c = table[cur, r]
+            live = active & (c >= 0) & (accepted < 0)
+            t = tok[c.clamp(min=0)][:, None]
+            pt, qt = p.gather(1, t)[:, 0], q.gather(1, t)[:, 0]
+            ok = live & (u[c.clamp(min=0), 0] * qt < pt)
+            accepted = torch.where(ok, c, accepted)
+            rej = (live & ~ok)[:, None]
+            new_p = torch.clamp(p - q, min=0.0)
+            s = new_p.sum(-1, keepdim=True)
+            new_p = torch.where(s > 0, new_p / s, new_p)
+            new_q = q.scatter(1, t, 0.0)
+            sq = new_q.sum(-1, keepdim=True)
+            new_q = torch.where(sq > 0, new_q / sq, new_q)
+            p = torch.where(rej, new_p, p)
+            q = torch.where(rej, new_q, q)
+        stopping = active & (accepted < 0)
+        bonus_p = torch.where(stopping[:, None], p, bonus_p)
+        step = active & (accepted >= 0)
+        a = accepted.clamp(min=0)
+        nodes[:, level + 1] = torch.where(step, a - tree.cu_nodes[:-1], -1)
+        toks[:, level] = torch.where(step, tok[a], -1)
+        acc_len = acc_len + step.to(torch.int64)
+        active = step
+        cur = torch.where(step, a, cur)
+    bonus_p = torch.where(active[:, None], probs[cur], bonus_p)  # walked down to a leaf
+    return _finish(acc_len, nodes, toks, sample_inverse_cdf(bonus_p, u[cur, 1]))
+
+
+def tree_walk(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    tree: Any,
+    mode: str = "greedy",
+    uniforms: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    top_p: float | torch.Tensor = 1.0,
+) -> WalkResult:
+    """Vectorised tree walk; arguments and result as ``kernels.reference.tree_walk``.
+
+    Args:
+        logits: ``[T, V]`` fp32/fp16/bf16 target logits per node.
+        tokens: ``int[T]`` draft token per node.
+        tree: ``TreeBatch`` on logits' device.
+        mode: ``"greedy" | "target_only" | "draft_probs"``.
+        uniforms: ``[T, 2]`` (acceptance test, bonus draw) for stochastic modes.
+        draft_probs: ``[T, V]`` (``draft_probs`` mode).
+        temperature, top_p: scalars or ``[B]``.
+
+    Returns:
+        ``WalkResult`` of int64 ``[B]``, ``[B, D+1]``, ``[B, D+1]``, -1 padded.
+    """
+    if mode == "greedy":
+        return _greedy(logits, tokens, tree)
+    probs = target_probs(logits, tree.request_ids, temperature, top_p)
+    if mode == "target_only":
+        return _target_only(probs, tokens, tree, uniforms)
+    if mode == "draft_probs":
+        return _draft_probs(probs, tokens, tree, uniforms, draft_probs)
+    raise ValueError(f"unknown walk mode {mode!r}")
