@@ -3,7 +3,9 @@
 One module per op (``tree_attention.py``, ``tree_walk.py``, ``kv_compact.py``), each
 defining a function of that name with the signature of ``kernels.reference``.
 They are imported on first use, so a missing optional dependency only
-disables this backend.
+disables this backend. Kernels import ``nki``, ``nl`` and ``nisa`` from
+``kernels.nki.runtime``: the real Neuron SDK when installed, else the NumPy
+executor in ``kernels/nki/executor/`` (see ``docs/nki_executor.md``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,13 @@ from __future__ import annotations
 import importlib
 
 OPS = ("tree_attention", "tree_walk", "kv_compact")
+
+
+def BACKEND_NOTE() -> str:  # noqa: N802  (attribute name read by kernels.backend_status)
+    """Which NKI runtime is in use (real Neuron SDK or the NumPy executor)."""
+    from kernels.nki.runtime import backend_note
+
+    return backend_note()
 
 
 def __getattr__(name: str):
