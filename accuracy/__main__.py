@@ -1,0 +1,109 @@
+"""Command line: ``python -m accuracy compare REF TEST [--baseline DIR]`` and
+``python -m accuracy inspect DIR``.
+
+``compare`` prints the designed two-way report (REF vs TEST) or, with
+``--baseline``, the three-way report (REF = expected, e.g. HF BF16; TEST = actual;
+DIR = FP32 baseline). Exit status: 0 all pass, 1 failures/mismatches, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .alignment import (
+    align_decode_captures,
+    default_reconstruction,
+    hf_reference_reconstruction,
+    llama_reconstruct,
+)
+from .compare import DynamicThresholdConfig, compare_captures_three_way, compare_captures_two_way
+from .report import first_divergence, print_comparison_report, print_three_way_report
+from .tensor_io import read
+
+RECONSTRUCTIONS = {
+    "rank0": default_reconstruction,
+    "hf": hf_reference_reconstruction,
+    "llama": llama_reconstruct,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m accuracy", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compare", help="compare two capture directories (three with --baseline)")
+    c.add_argument(
+        "ref", help="reference capture dir (two-way) / expected, e.g. HF BF16 (three-way)"
+    )
+    c.add_argument("test", help="capture dir under test")
+    c.add_argument("--baseline", help="FP32 baseline capture dir: three-way comparison")
+    c.add_argument("--threshold", type=float, default=0.01, help="two-way L-inf threshold")
+    c.add_argument("--multiplier", type=float, default=1.5, help="three-way ratio threshold")
+    c.add_argument("--phase", choices=["prefill", "decode"], default=None)
+    c.add_argument("--ref-reconstruction", choices=sorted(RECONSTRUCTIONS), default="rank0")
+    c.add_argument("--test-reconstruction", choices=sorted(RECONSTRUCTIONS), default="rank0")
+    c.add_argument("--no-align", action="store_true", help="skip align_decode_captures")
+    c.add_argument("--label-ref", default=None)
+    c.add_argument("--label-test", default="Test")
+    c.add_argument("--plot", default=None, help="write a PNG of errors per module and step")
+    c.add_argument("--color", action=argparse.BooleanOptionalAction, default=None)
+    i = sub.add_parser("inspect", help="list steps, modules, shapes and dtypes of a capture dir")
+    i.add_argument("dir")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            from .inspect_captures import inspect_dir
+
+            inspect_dir(args.dir)
+            return 0
+        ref, test = read(args.ref), read(args.test)
+        rfn = RECONSTRUCTIONS[args.ref_reconstruction]
+        tfn = RECONSTRUCTIONS[args.test_reconstruction]
+        if args.baseline:
+            base = read(args.baseline)
+            if not args.no_align:
+                base, ref = align_decode_captures(base, test), align_decode_captures(ref, test)
+            cfg = DynamicThresholdConfig(args.multiplier, args.multiplier)
+            results = compare_captures_three_way(
+                base, ref, test, rfn, tfn, phase=args.phase, config=cfg
+            )
+            summary = print_three_way_report(
+                results,
+                args.label_ref or "Ref",
+                args.label_test,
+                "Baseline",
+                args.multiplier,
+                colorize=args.color,
+            )
+            threshold = args.multiplier
+        else:
+            if not args.no_align:
+                ref = align_decode_captures(ref, test)
+            results = compare_captures_two_way(ref, test, rfn, tfn, phase=args.phase)
+            summary = print_comparison_report(
+                results,
+                args.threshold,
+                args.label_ref or "Ref",
+                args.label_test,
+                colorize=args.color,
+            )
+            threshold = args.threshold
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    first = first_divergence(results, threshold)
+    if first:
+        print(f"FIRST DIVERGENCE: {first[0]} step {first[1]} {first[2]}")
+    if args.plot:
+        from .plots import plot_errors
+
+        print(f"plot: {plot_errors(results, args.plot, threshold)}")
+    return 0 if summary.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
