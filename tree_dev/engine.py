@@ -1,0 +1,718 @@
+"""The local tree speculative-decoding engine, in one file.
+
+A token's life, top to bottom of this file:
+
+1. ``Engine.add_request`` queues a prompt with its ``SamplingParams``.
+2. ``Engine.step`` admits queued requests (up to ``max_batch``): the target
+   *prefills* the prompt minus its last token into its paged KV cache; the last
+   prompt token becomes the request's **root** (committed, not yet processed).
+3. The **draft** (a small causal LM, or an EAGLE head over the target's
+   features) catches up on the committed tokens it has not seen, then
+   **proposes** a token tree below the root: a static tree (``chain:K``,
+   ``paths:[...]``, ``medusa:NAME``: the draft's top-ranked tokens at each node)
+   or the dynamic top-K tree (``topk:k=,depth=,budget=``: expand the k best nodes
+   by cumulative log-probability per level, keep the best ``budget``). Each
+   level is one packed draft forward that reuses the draft's KV of earlier
+   levels.
+4. The **target verifies** every node of every request's tree in one packed
+   forward: tree attention (``kernels.tree_attention``) through the
+   ``"treespec"`` ``AttentionInterface`` implementation.
+5. ``kernels.tree_walk`` picks each request's accepted path and a bonus token
+   (greedy, or lossless sampling: ``target_only`` for deterministic drafts,
+   ``draft_probs`` for sampled drafts), ``kernels.kv_compact`` keeps exactly the
+   accepted path's K/V, and the bonus token is the next root.
+6. Finished requests leave the batch and their KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+import kernels
+from tree_dev.attention import TreeForward, register
+from tree_dev.kv_cache import PagedKVCache
+from tree_dev.spec import NoDraftPolicy, Policy, StaticPolicy, TopKPolicy, parse_tree_spec
+from tree_dev.tree import TokenTree, TreeBatch
+
+PREFILL_CHUNK = 256
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI-style).
+
+    ``temperature == 0`` is greedy. ``seed`` makes sampling reproducible.
+    ``stop_token_ids`` end the request (the stop token is kept in the output);
+    ``ignore_eos`` keeps going past the model's EOS token.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass
+class Request:
+    """One request's state. The committed text is ``prompt + output``; its last
+    token is the ``root``, whose K/V is not in the target cache yet."""
+
+    req_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    target_len: int = 0  # committed tokens with K/V in the target cache
+    draft_len: int = 0  # committed tokens with K/V in the draft cache
+    pending: list[int] = field(default_factory=list)  # committed, not in draft cache; last = root
+    pending_feats: torch.Tensor | None = None  # EAGLE: target feature before each pending token
+    finished: bool = False
+    finish_reason: str | None = None
+    steps: int = 0
+    accepted_drafts: int = 0
+    depth_tried: list[int] = field(default_factory=list)  # per depth: steps whose tree reached it
+    depth_accepted: list[int] = field(default_factory=list)  # per depth: steps that accepted it
+
+    @property
+    def root(self) -> int:
+        return (self.prompt + self.output)[-1]
+
+    @property
+    def mode(self) -> str:
+        return "greedy" if self.params.temperature == 0 else "target_only"
+
+    def stats(self) -> dict:
+        """Speculative-decoding statistics of this request so far."""
+        return {
+            "steps": self.steps,
+            "accepted_draft_tokens": self.accepted_drafts,
+            "mean_accepted_length": (len(self.output) / self.steps) if self.steps else 0.0,
+            "acceptance_per_depth": [
+                (a / t if t else 0.0) for a, t in zip(self.depth_accepted, self.depth_tried)
+            ],
+        }
+
+
+@dataclass
+class StepOutput:
+    """What one ``Engine.step`` produced for one request."""
+
+    req_id: int
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class Proposal:
+    """A request's draft tree: ``parents``/``tokens`` per node (node 0 = root)."""
+
+    tree: TokenTree
+    tokens: list[int]
+    draft_probs: torch.Tensor | None = None  # [N, V] (draft_probs mode)
+
+
+# --------------------------------------------------------------------------- model runner
+class Runner:
+    """One model (target, draft LM or EAGLE head) with its own paged KV cache.
+
+    ``forward`` runs one packed forward over new tree nodes of several requests;
+    ``prefill`` pushes committed token chains into the cache in chunks.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        backend: str,
+        eagle: bool = False,
+    ):
+        p = next(model.parameters())
+        self.model = model
+        self.eagle = eagle
+        self.backend = backend
+        self.cache = PagedKVCache(
+            num_layers, num_blocks, block_size, kv_heads, head_dim, p.dtype, p.device
+        )
+        self.device = p.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        req_ids: list[int],
+        prefix_lens: list[int],
+        trees: list[TokenTree],
+        new_nodes: list[list[int]] | None,
+        tokens: list[int],
+        feats: torch.Tensor | None = None,
+        want_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute the new nodes of each request's tree.
+
+        Args:
+            req_ids, prefix_lens, trees: per request; the tree's nodes live at
+                cache positions ``prefix_len + node``.
+            new_nodes: per request, the local nodes computed now (ascending), or
+                None for all nodes. Other nodes' K/V must already be cached.
+            tokens: token id of every new node, packed in request order.
+            feats: EAGLE only, ``[T_new, H]`` target features paired with tokens.
+
+        Returns:
+            ``hidden [T_new, H]`` (the model's final hidden state) and
+            ``logits [T_new, V]`` (None unless ``want_logits``).
+        """
+        batch = TreeBatch(trees, device=self.device)
+        positions, slots, rows = [], [], []
+        for r, (rid, plen, tree) in enumerate(zip(req_ids, prefix_lens, trees)):
+            self.cache.reserve(rid, plen + tree.num_nodes)
+            nodes = range(tree.num_nodes) if new_nodes is None else new_nodes[r]
+            nodes_t = torch.tensor(list(nodes), dtype=torch.int64)
+            positions.append(plen + tree.depth[nodes_t])
+            slots.append(self.cache.slots(rid, plen + nodes_t))
+            rows.append(int(batch.cu_nodes[r]) + nodes_t)
+        ctx = TreeForward(
+            cache=self.cache,
+            tree=batch,
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=self.device),
+            block_table=self.cache.block_table(req_ids),
+            write_slots=torch.cat(slots).to(self.device),
+            new_rows=None if new_nodes is None else torch.cat(rows).to(self.device),
+            backend=self.backend,
+        )
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)[None]
+        pos = torch.cat(positions).to(self.device)[None]
+        if self.eagle:
+            out = self.model(ids, feats[None], position_ids=pos, tree_ctx=ctx)
+            return out.hidden_states[0], (out.logits[0] if want_logits else None)
+        hidden = self.model.model(
+            input_ids=ids, position_ids=pos, use_cache=False, tree_ctx=ctx
+        ).last_hidden_state[0]
+        return hidden, (self.model.lm_head(hidden) if want_logits else None)
+
+    def prefill(
+        self,
+        req_ids: list[int],
+        starts: list[int],
+        chains: list[list[int]],
+        feats: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """Append committed token chains to the cache (causal = chain trees).
+
+        Returns each request's hidden states ``[len(chain), H]``.
+        """
+        hidden: list[list[torch.Tensor]] = [[] for _ in req_ids]
+        offset = 0
+        longest = max((len(c) for c in chains), default=0)
+        while offset < longest:
+            idx = [i for i, c in enumerate(chains) if len(c) > offset]
+            parts = [chains[i][offset : offset + PREFILL_CHUNK] for i in idx]
+            f = None
+            if feats is not None:
+                f = torch.cat([feats[i][offset : offset + len(p)] for i, p in zip(idx, parts)])
+            h, _ = self.forward(
+                [req_ids[i] for i in idx],
+                [starts[i] + offset for i in idx],
+                [TokenTree.chain(len(p) - 1) for p in parts],
+                None,
+                [t for p in parts for t in p],
+                feats=f,
+                want_logits=False,
+            )
+            for i, part in zip(idx, h.split([len(p) for p in parts])):
+                hidden[i].append(part)
+            offset += PREFILL_CHUNK
+        return [torch.cat(h) if h else torch.empty(0) for h in hidden]
+
+
+def _attn_geometry(config) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, config.num_key_value_heads or heads, head_dim
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained`` from a local directory, no network."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{p} is not a model directory (no config.json)")
+    return AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True).eval()
+
+
+# --------------------------------------------------------------------------- engine
+class Engine:
+    """Tree speculative decoding over a target and a draft (LM or EAGLE head).
+
+    Args:
+        target: a ``transformers`` causal LM (Llama-style), or a local path.
+        draft: a smaller causal LM sharing the vocabulary, or a path; or None.
+        eagle: an EAGLE head (``tree_dev.models.eagle.EagleHead``) instead of a draft LM.
+        tree: a tree spec (see ``tree_dev.spec``); ``"none"`` for plain decoding.
+        max_batch: most requests decoded together.
+        max_model_len: longest prompt + output.
+        kernel_backend: backend for ``kernels.*`` (``"auto"`` picks per device).
+        block_size: KV cache block size.
+        eos_token_id: stops requests unless ``ignore_eos``; defaults to the target config's.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel | str | Path,
+        draft: PreTrainedModel | str | Path | None = None,
+        eagle: torch.nn.Module | None = None,
+        tree: str = "chain:4",
+        max_batch: int = 8,
+        max_model_len: int = 1024,
+        kernel_backend: str = "auto",
+        block_size: int = 16,
+        eos_token_id: int | None = None,
+    ):
+        self.policy: Policy = parse_tree_spec(tree)
+        if isinstance(target, (str, Path)):
+            target = load_causal_lm(target)
+        if isinstance(draft, (str, Path)):
+            draft = load_causal_lm(draft, dtype=next(target.parameters()).dtype)
+        if draft is not None and eagle is not None:
+            raise ValueError("give either a draft model or an EAGLE head, not both")
+        if not isinstance(self.policy, NoDraftPolicy) and draft is None and eagle is None:
+            raise ValueError(f"tree {tree!r} needs a draft model or an EAGLE head")
+        vocab = target.config.vocab_size
+        drafter = draft if draft is not None else eagle
+        if drafter is not None and drafter.config.vocab_size != vocab:
+            raise ValueError(
+                f"draft vocabulary ({drafter.config.vocab_size}) differs from "
+                f"the target's ({vocab})"
+            )
+        if max_batch < 1 or max_model_len < 2:
+            raise ValueError(
+                f"max_batch must be >= 1 and max_model_len >= 2, got {max_batch}, {max_model_len}"
+            )
+        dev = next(target.parameters()).device
+        attn_fn = kernels._resolve("tree_attention", kernel_backend, dev)
+        limit = getattr(attn_fn, "max_tree_nodes", None)
+        if limit is not None and self.policy.max_nodes > limit:
+            raise ValueError(
+                f"tree {tree!r} has up to {self.policy.max_nodes} nodes; kernel backend "
+                f"{kernel_backend!r} supports at most {limit}"
+            )
+        register()
+        self.target = target.eval()
+        self.target.set_attn_implementation("treespec")
+        self.kernel_backend = kernel_backend
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab
+        eos = target.config.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_ids = set(
+            eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        )
+        per_req = -(-(max_model_len + self.policy.max_nodes + PREFILL_CHUNK) // block_size)
+        self.runner = Runner(
+            target, *_attn_geometry(target.config), max_batch * per_req, block_size, kernel_backend
+        )
+        self.draft_runner = None
+        if drafter is not None:
+            drafter.eval()
+            if eagle is not None:
+                eagle.config._attn_implementation = "treespec"
+                eagle.decoder.set_attn_implementation("treespec")
+            else:
+                drafter.set_attn_implementation("treespec")
+            self.draft_runner = Runner(
+                drafter,
+                *_attn_geometry(drafter.config),
+                max_batch * per_req,
+                block_size,
+                kernel_backend,
+                eagle=eagle is not None,
+            )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+        self.timings = {"draft": 0.0, "verify": 0.0, "walk": 0.0, "prefill": 0.0}
+        self.forwards = {"target": 0, "draft": 0}
+
+    # ----------------------------------------------------------------- public API
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
+        """Queue a prompt (token ids); returns the request id."""
+        params = params or SamplingParams()
+        params.validate()
+        if not prompt:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"prompt token {bad[0]!r} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt + at least one output token)"
+            )
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+        req = Request(self._next_id, list(prompt), params, gen)
+        self._next_id += 1
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+        return req.req_id
+
+    def abort(self, req_id: int) -> None:
+        """Drop a request (e.g. its client disconnected) and free its blocks."""
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return
+        req.finished, req.finish_reason = True, "abort"
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Decode ``prompts`` to completion; returns the output token ids of each."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work():
+            self.step()
+        return [self.requests[i].output for i in ids]
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests, run one draft-verify-accept step for all running."""
+        self._admit()
+        if not self.running:
+            return []
+        batch = list(self.running)
+        t0 = time.perf_counter()
+        proposals = self._propose(batch)
+        t1 = time.perf_counter()
+        hidden, logits = self.runner.forward(
+            [r.req_id for r in batch],
+            [r.target_len for r in batch],
+            [p.tree for p in proposals],
+            None,
+            [t for p in proposals for t in p.tokens],
+        )
+        self.forwards["target"] += 1
+        t2 = time.perf_counter()
+        outs = self._accept(batch, proposals, hidden, logits)
+        t3 = time.perf_counter()
+        self.timings["draft"] += t1 - t0
+        self.timings["verify"] += t2 - t1
+        self.timings["walk"] += t3 - t2
+        return outs
+
+    # ----------------------------------------------------------------- admission
+    def _admit(self) -> None:
+        new = []
+        while self.waiting and len(self.running) + len(new) < self.max_batch:
+            new.append(self.waiting.popleft())
+        if not new:
+            return
+        t0 = time.perf_counter()
+        ids = [r.req_id for r in new]
+        hidden = self.runner.prefill(ids, [0] * len(new), [r.prompt[:-1] for r in new])
+        for r, h in zip(new, hidden):
+            r.target_len = len(r.prompt) - 1
+            if self.draft_runner is not None and self.draft_runner.eagle:
+                # the head sees (x_j, feature h_{j-1}) at position j, j = 1..P-1
+                r.pending, r.pending_feats, r.draft_len = r.prompt[1:], h, 1
+            else:
+                r.pending, r.draft_len = list(r.prompt), 0
+        self.running.extend(new)
+        self.timings["prefill"] += time.perf_counter() - t0
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.runner.cache.free(req.req_id)
+        if self.draft_runner is not None:
+            self.draft_runner.cache.free(req.req_id)
+
+    # ----------------------------------------------------------------- drafting
+    def _propose(self, batch: list[Request]) -> list[Proposal]:
+        if isinstance(self.policy, NoDraftPolicy):
+            return [Proposal(TokenTree.chain(0), [r.root]) for r in batch]
+        dr = self.draft_runner
+        # 1. catch up: committed tokens the draft has not seen, except the root
+        todo = [r for r in batch if len(r.pending) > 1]
+        if todo:
+            dr.prefill(
+                [r.req_id for r in todo],
+                [r.draft_len for r in todo],
+                [r.pending[:-1] for r in todo],
+                [r.pending_feats[:-1] for r in todo] if dr.eagle else None,
+            )
+            for r in todo:
+                r.draft_len += len(r.pending) - 1
+                r.pending = r.pending[-1:]
+                if dr.eagle:
+                    r.pending_feats = r.pending_feats[-1:]
+        # 2. grow every request's draft tree level by level, one packed forward each
+        growers = [_TreeGrower(r, self.policy) for r in batch]
+        active = [g for g in growers if g.ready_to_forward()]
+        while active:
+            new_nodes = [g.next_nodes() for g in active]
+            tokens = [g.fwd_tokens[n] for g, nodes in zip(active, new_nodes) for n in nodes]
+            feats = None
+            if dr.eagle:
+                feats = torch.cat([g.node_feats(nodes) for g, nodes in zip(active, new_nodes)])
+            hidden, logits = dr.forward(
+                [g.req.req_id for g in active],
+                [g.req.draft_len for g in active],
+                [TokenTree(g.fwd_parents) for g in active],
+                new_nodes,
+                tokens,
+                feats=feats,
+            )
+            self.forwards["draft"] += 1
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            for g, lp, h in zip(
+                active,
+                logprobs.split([len(n) for n in new_nodes]),
+                hidden.split([len(n) for n in new_nodes]),
+            ):
+                g.absorb(lp, h)
+            active = [g for g in active if g.ready_to_forward()]
+        for r in batch:  # the root is committed: keep its draft K/V
+            r.draft_len += 1
+            r.pending = []
+        return [g.result() for g in growers]
+
+    # ----------------------------------------------------------------- acceptance
+    def _accept(
+        self,
+        batch: list[Request],
+        proposals: list[Proposal],
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> list[StepOutput]:
+        sizes = [p.tree.num_nodes for p in proposals]
+        logit_rows = logits.split(sizes)
+        hidden_rows = hidden.split(sizes)
+        width = 1 + max(p.tree.max_depth for p in proposals)
+        acc_len = torch.zeros(len(batch), dtype=torch.int64)
+        acc_nodes = torch.zeros(len(batch), width, dtype=torch.int64)
+        out_tokens = torch.full((len(batch), width), -1, dtype=torch.int64)
+        for mode in ("greedy", "target_only"):
+            idx = [i for i, r in enumerate(batch) if r.mode == mode]
+            if not idx:
+                continue
+            tb = TreeBatch([proposals[i].tree for i in idx], device=logits.device)
+            kw = {}
+            if mode != "greedy":
+                kw = dict(
+                    uniforms=torch.cat(
+                        [torch.rand(sizes[i], 2, generator=batch[i].generator) for i in idx]
+                    ).to(logits.device),
+                    temperature=torch.tensor([batch[i].params.temperature for i in idx]),
+                    top_p=torch.tensor([batch[i].params.top_p for i in idx]),
+                )
+            res = kernels.tree_walk(
+                torch.cat([logit_rows[i] for i in idx]).float(),
+                torch.tensor([t for i in idx for t in proposals[i].tokens], device=logits.device),
+                tb,
+                mode,
+                backend=self.kernel_backend,
+                **kw,
+            )
+            d = res.accepted_nodes.shape[1]
+            acc_len[idx] = res.accepted_len.cpu()
+            acc_nodes[idx, :d] = res.accepted_nodes.clamp(min=0).cpu()
+            out_tokens[idx, :d] = res.output_tokens.cpu()
+        dev = self.runner.device
+        kernels.kv_compact(
+            self.runner.cache.k,
+            self.runner.cache.v,
+            torch.tensor([r.target_len for r in batch], device=dev),
+            acc_nodes.to(dev),
+            acc_len.to(dev),
+            self.runner.cache.block_table([r.req_id for r in batch]),
+            backend=self.kernel_backend,
+        )
+        outs = []
+        for i, r in enumerate(batch):
+            n = int(acc_len[i])
+            emitted = out_tokens[i, :n].tolist()
+            r.steps += 1
+            r.accepted_drafts += n - 1
+            depth = proposals[i].tree.max_depth
+            while len(r.depth_tried) < depth:
+                r.depth_tried.append(0)
+                r.depth_accepted.append(0)
+            for dd in range(depth):
+                r.depth_tried[dd] += 1
+                r.depth_accepted[dd] += int(dd < n - 1)
+            r.target_len += n
+            if self.draft_runner is not None:
+                r.pending = list(emitted)
+                if self.draft_runner.eagle:
+                    r.pending_feats = hidden_rows[i][acc_nodes[i, :n].to(hidden.device)]
+            new = self._commit(r, emitted)
+            outs.append(StepOutput(r.req_id, new, r.finished, r.finish_reason))
+        for r in [r for r in batch if r.finished]:
+            self._release(r)
+        return outs
+
+    def _commit(self, req: Request, emitted: list[int]) -> list[int]:
+        """Append tokens up to the first stop condition; returns what was appended."""
+        new = []
+        for t in emitted:
+            new.append(t)
+            req.output.append(t)
+            if t in req.params.stop_token_ids or (t in self.eos_ids and not req.params.ignore_eos):
+                req.finished, req.finish_reason = True, "stop"
+                break
+            if len(req.output) >= req.params.max_tokens:
+                req.finished, req.finish_reason = True, "length"
+                break
+            if len(req.prompt) + len(req.output) >= self.max_model_len:
+                req.finished, req.finish_reason = True, "length"
+                break
+        return new
+
+
+# --------------------------------------------------------------------------- proposers
+class _TreeGrower:
+    """Grows one request's draft tree, level by level.
+
+    The draft's *forwarded* tree (``fwd_parents``/``fwd_tokens``) holds the nodes
+    the draft has run, root first; their K/V sits in the draft cache right after
+    ``req.draft_len``. ``cands`` are the proposed nodes: (parent candidate index
+    or -1 for the root, token, cumulative log-prob, depth, forwarded index).
+    """
+
+    def __init__(self, req: Request, policy: Policy):
+        self.req = req
+        self.policy = policy
+        self.fwd_parents = [-1]
+        self.fwd_tokens = [req.root]
+        self.fwd_cand = [-1]  # candidate index of each forwarded node (-1: root)
+        self.fwd_hidden: list[torch.Tensor] = []
+        self.cands: list[tuple[int, int, float, int]] = []
+        self.cand_fwd: dict[int, int] = {}
+        self.level = 0
+        self._to_forward = [0]
+        if isinstance(policy, StaticPolicy):
+            self.tree = policy.tree
+            self.node_cand = {0: -1}  # static tree node -> candidate index
+
+    def ready_to_forward(self) -> bool:
+        return bool(self._to_forward)
+
+    def next_nodes(self) -> list[int]:
+        return list(self._to_forward)
+
+    def node_feats(self, nodes: list[int]) -> torch.Tensor:
+        out = []
+        for n in nodes:
+            if n == 0:
+                out.append(self.req.pending_feats[-1])
+            else:
+                out.append(self.fwd_hidden[self.fwd_parents[n]])
+        return torch.stack(out)
+
+    def _add_fwd(self, cand: int) -> int:
+        parent_cand = self.cands[cand][0]
+        parent_fwd = 0 if parent_cand == -1 else self.cand_fwd[parent_cand]
+        self.fwd_parents.append(parent_fwd)
+        self.fwd_tokens.append(self.cands[cand][1])
+        self.fwd_cand.append(cand)
+        self.cand_fwd[cand] = len(self.fwd_parents) - 1
+        return len(self.fwd_parents) - 1
+
+    def absorb(self, logprobs: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Take the draft's output for the nodes just forwarded; pick the next ones."""
+        nodes = self._to_forward
+        for n, h in zip(nodes, hidden):
+            while len(self.fwd_hidden) <= n:
+                self.fwd_hidden.append(h)
+            self.fwd_hidden[n] = h
+        self.level += 1
+        if isinstance(self.policy, TopKPolicy):
+            self._absorb_topk(nodes, logprobs)
+        else:
+            self._absorb_static(nodes, logprobs)
+
+    def _absorb_topk(self, nodes: list[int], logprobs: torch.Tensor) -> None:
+        k, new = self.policy.k, []
+        top_lp, top_tok = logprobs.topk(k, dim=-1)
+        for n, lps, toks in zip(nodes, top_lp.tolist(), top_tok.tolist()):
+            parent_cand = self.fwd_cand[n]
+            base = 0.0 if parent_cand == -1 else self.cands[parent_cand][2]
+            for lp, t in zip(lps, toks):
+                self.cands.append((parent_cand, t, base + lp, self.level))
+                new.append(len(self.cands) - 1)
+        self._to_forward = []
+        if self.level < self.policy.depth:
+            best = sorted(new, key=lambda c: (-self.cands[c][2], c))[:k]
+            self._to_forward = [self._add_fwd(c) for c in sorted(best)]
+
+    def _absorb_static(self, nodes: list[int], logprobs: torch.Tensor) -> None:
+        tree = self.tree
+        fc, ns = tree.first_child.tolist(), tree.next_sibling.tolist()
+        fwd_to_node = {0: 0}
+        for node, cand in self.node_cand.items():
+            if cand in self.cand_fwd:
+                fwd_to_node[self.cand_fwd[cand]] = node
+        kids_per = []
+        for n in nodes:
+            kids, c = [], fc[fwd_to_node[n]]
+            while c != -1:
+                kids.append(c)
+                c = ns[c]
+            kids_per.append(kids)
+        width = max(len(k) for k in kids_per)
+        top_lp, top_tok = logprobs.topk(max(width, 1), dim=-1)
+        nxt = []
+        for n, kids, lps, toks in zip(nodes, kids_per, top_lp.tolist(), top_tok.tolist()):
+            parent_cand = self.fwd_cand[n]
+            base = 0.0 if parent_cand == -1 else self.cands[parent_cand][2]
+            for rank, child in enumerate(kids):
+                self.cands.append((parent_cand, toks[rank], base + lps[rank], self.level))
+                self.node_cand[child] = len(self.cands) - 1
+                if fc[child] != -1:
+                    nxt.append(len(self.cands) - 1)
+        self._to_forward = [self._add_fwd(c) for c in nxt]
+
+    def result(self) -> Proposal:
+        """The proposed tree: root + kept candidates, breadth-first."""
+        if isinstance(self.policy, TopKPolicy):
+            ranked = sorted(range(len(self.cands)), key=lambda c: (-self.cands[c][2], c))
+            keep = ranked[: self.policy.budget]
+        else:
+            keep = list(range(len(self.cands)))
+        order = sorted(keep, key=lambda c: (self.cands[c][3], -self.cands[c][2], c))
+        index = {-1: 0}
+        parents, tokens = [-1], [self.req.root]
+        for c in order:
+            parent_cand, tok, _, _ = self.cands[c]
+            index[c] = len(parents)
+            parents.append(index[parent_cand])
+            tokens.append(tok)
+        return Proposal(TokenTree(parents), tokens)

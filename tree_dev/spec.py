@@ -1,0 +1,108 @@
+"""Tree policy spec strings, shared by the engine, benchmarks and ``serve.py``.
+
+- ``none``: plain autoregressive decoding (no draft).
+- ``chain:K``: a chain of K draft tokens.
+- ``paths:[(0,), (1,), (0, 0)]``: a static tree as Medusa / vLLM paths.
+- ``medusa:NAME``: a named published tree (``medusa:mc_sim_7b_63``).
+- ``topk:k=4,depth=5,budget=32``: the dynamic top-K proposer (EAGLE-2 style).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from tree_dev.tree import PRESETS, TokenTree
+
+
+@dataclass(frozen=True)
+class StaticPolicy:
+    """A fixed tree shape; children of a node are the draft's top-ranked tokens."""
+
+    tree: TokenTree
+    spec: str
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tree.num_nodes
+
+
+@dataclass(frozen=True)
+class TopKPolicy:
+    """EAGLE-2 dynamic tree: expand the top-``k`` nodes per level for ``depth``
+    levels, keep the best ``budget`` draft nodes by cumulative log-probability."""
+
+    k: int
+    depth: int
+    budget: int
+    spec: str
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget + 1
+
+
+@dataclass(frozen=True)
+class NoDraftPolicy:
+    """Plain decoding: the tree is the root alone."""
+
+    spec: str = "none"
+
+    @property
+    def max_nodes(self) -> int:
+        return 1
+
+
+Policy = StaticPolicy | TopKPolicy | NoDraftPolicy
+
+
+def parse_tree_spec(spec: str) -> Policy:
+    """Parse a tree spec string; raises ``ValueError`` naming the bad part."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty tree spec {spec!r}")
+    spec = spec.strip()
+    if spec == "none":
+        return NoDraftPolicy()
+    kind, sep, arg = spec.partition(":")
+    if not sep:
+        raise ValueError(
+            f"unknown tree spec {spec!r}; expected none, chain:K, paths:[...], "
+            "medusa:NAME or topk:k=..,depth=..,budget=.."
+        )
+    if kind == "chain":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ValueError(f"chain length in {spec!r} is not an integer") from None
+        if k < 1:
+            raise ValueError(f"chain length must be >= 1 in {spec!r}")
+        return StaticPolicy(TokenTree.chain(k), spec)
+    if kind == "paths":
+        try:
+            paths = ast.literal_eval(arg)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"paths in {spec!r} are not a Python literal list of tuples") from None
+        if not isinstance(paths, (list, tuple)) or not paths:
+            raise ValueError(f"paths in {spec!r} must be a non-empty list of tuples")
+        return StaticPolicy(TokenTree.from_paths([tuple(p) for p in paths]), spec)
+    if kind == "medusa":
+        if arg not in PRESETS:
+            raise ValueError(f"unknown medusa tree {arg!r}; known: {sorted(PRESETS)}")
+        return StaticPolicy(TokenTree.preset(arg), spec)
+    if kind == "topk":
+        fields = {}
+        for part in arg.split(","):
+            name, eq, value = part.partition("=")
+            if not eq or name.strip() not in ("k", "depth", "budget"):
+                raise ValueError(f"bad field {part!r} in {spec!r}; expected k=, depth=, budget=")
+            try:
+                fields[name.strip()] = int(value)
+            except ValueError:
+                raise ValueError(f"field {part!r} in {spec!r} is not an integer") from None
+        missing = {"k", "depth", "budget"} - set(fields)
+        if missing:
+            raise ValueError(f"{spec!r} is missing {sorted(missing)}")
+        if min(fields.values()) < 1:
+            raise ValueError(f"k, depth and budget must be >= 1 in {spec!r}")
+        return TopKPolicy(fields["k"], fields["depth"], fields["budget"], spec)
+    raise ValueError(f"unknown tree spec kind {kind!r} in {spec!r}")
