@@ -1,0 +1,59 @@
+"""``python -m tree_dev.models train|eval [--out DIR] [--minutes M] [--seed S]``."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from . import DEFAULT_CHECKPOINT
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tree_dev.models", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tr = sub.add_parser("train", help="train tokenizer, target, draft and EAGLE head")
+    tr.add_argument("--out", default=str(DEFAULT_CHECKPOINT))
+    tr.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget, all stages")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--stages", default="tokenizer,target,draft,eagle")
+    tr.add_argument("--target-steps", type=int, default=None)
+    tr.add_argument("--draft-steps", type=int, default=None)
+    tr.add_argument("--eagle-steps", type=int, default=None)
+    tr.add_argument("--share", default=None, help="time shares target,draft,eagle e.g. 0.7,0.1,0.2")
+    tr.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
+    ev = sub.add_parser("eval", help="perplexity, bits/byte, draft agreement, top-K hit rates")
+    ev.add_argument("--out", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory")
+    ev.add_argument("--json", default="results/models_eval.json")
+    ev.add_argument("--windows", type=int, default=64, help="held-out windows of seq_len tokens")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--minutes", type=float, default=None, help="(unused by eval)")
+    args = ap.parse_args(argv)
+    cmd = "python -m tree_dev.models " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.cmd == "train":
+        from dataclasses import replace
+
+        from .train import TINY, Recipe, run_train
+
+        recipe = TINY if args.tiny else Recipe()
+        if args.share:
+            recipe = replace(recipe, share=tuple(float(s) for s in args.share.split(",")))
+        steps = {"target": args.target_steps, "draft": args.draft_steps, "eagle": args.eagle_steps}
+        run_train(
+            args.out,
+            args.minutes,
+            args.seed,
+            recipe,
+            steps,
+            tuple(s for s in args.stages.split(",") if s),
+            command=cmd,
+        )
+    else:
+        from .evaluate import run_eval
+
+        run_eval(args.out, args.json, args.windows, command=cmd)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

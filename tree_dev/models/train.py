@@ -1,0 +1,481 @@
+"""Training of the tokenizer, target, small draft LM and EAGLE head (CPU, bf16 autocast).
+
+Every stage is deterministic for a seed once its number of steps is fixed.  With
+``steps=None`` a stage times a few steps and sizes itself to its share of the wall
+clock budget; the chosen step counts are logged so a run can be repeated exactly
+with ``--target-steps/--draft-steps/--eagle-steps``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from . import data
+from .eagle import EagleHead
+
+
+@dataclass
+class LMSpec:
+    """Size of a ``LlamaForCausalLM`` (tied embeddings)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+    def config(self, vocab_size: int, max_len: int, eos_id: int) -> LlamaConfig:
+        cfg = LlamaConfig(
+            vocab_size=vocab_size,
+            max_position_embeddings=max_len,
+            tie_word_embeddings=True,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+            **asdict(self),
+        )
+        cfg._attn_implementation = "sdpa"
+        return cfg
+
+
+@dataclass
+class Recipe:
+    """Everything that defines a training run except the seed and the step counts."""
+
+    vocab_size: int = 4096
+    seq_len: int = 512
+    target: LMSpec = field(default_factory=lambda: LMSpec(256, 8, 4, 2, 704))
+    draft: LMSpec = field(default_factory=lambda: LMSpec(128, 2, 2, 1, 384))
+    batch_size: int = 16
+    lr: float = 2e-3
+    draft_lr: float = 3e-3
+    eagle_lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    eval_every: int = 100
+    eval_windows: int = 16
+    eagle_noise: float = 0.05  # uniform feature noise, as in EAGLE, for chained drafting
+    share: tuple[float, float, float] = (0.7, 0.1, 0.2)  # target, draft, eagle time
+    max_train_files: int | None = None
+
+
+TINY = Recipe(
+    vocab_size=320,
+    seq_len=64,
+    target=LMSpec(64, 2, 2, 1, 128),
+    draft=LMSpec(32, 1, 1, 1, 64),
+    batch_size=4,
+    warmup=2,
+    eval_every=10,
+    eval_windows=2,
+    max_train_files=40,
+)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up then cosine decay to 10% of ``peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+class Logger:
+    """Prints through tqdm and appends to a log file."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def __call__(self, msg: str) -> None:
+        tqdm.write(msg)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+
+
+def lm_loss(model, x: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``model`` on windows ``x int64[B, T + 1]``."""
+    logits = model(input_ids=x[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+
+@torch.no_grad()
+def val_loss(model, windows: torch.Tensor, nbytes: torch.Tensor) -> tuple[float, float]:
+    """``(nats per token, bits per byte)`` of ``model`` on ``windows int64[W, T + 1]``."""
+    model.eval()
+    tot, ntok, nb = 0.0, 0, 0
+    for w in windows.split(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=w[:, :-1]).logits
+        tot += F.cross_entropy(logits.float().flatten(0, 1), w[:, 1:].flatten(), reduction="sum")
+        ntok += w[:, 1:].numel()
+        nb += int(nbytes[w[:, 1:]].sum())
+    model.train()
+    return float(tot) / ntok, float(tot) / (math.log(2) * nb)
+
+
+def _optimizer(params, lr: float, wd: float) -> torch.optim.AdamW:
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def _calibrate(step_fn, budget_s: float, log: Logger, name: str) -> int:
+    """Run 5 steps (counted in training), return the total steps fitting ``budget_s``."""
+    t0 = time.perf_counter()
+    for i in range(5):
+        step_fn(i, 5)
+    per = (time.perf_counter() - t0) / 5
+    steps = max(4, int(budget_s / per))
+    log(f"[{name}] calibration: {per:.2f} s/step -> {steps} steps for {budget_s:.0f} s")
+    return steps
+
+
+def train_lm(
+    model: LlamaForCausalLM,
+    train_stream: torch.Tensor,
+    val_windows: torch.Tensor,
+    nbytes: torch.Tensor,
+    recipe: Recipe,
+    lr: float,
+    seed: int,
+    steps: int | None,
+    budget_s: float,
+    log: Logger,
+    name: str,
+) -> dict:
+    """Train a causal LM on packed random windows; returns a history dict."""
+    torch.manual_seed(seed)
+    model.train()
+    opt = _optimizer(model.parameters(), lr, recipe.weight_decay)
+    it = data.batches(train_stream, recipe.seq_len, recipe.batch_size, seed)
+    hist = {"step": [], "train_loss": [], "val_loss": [], "val_bpb": []}
+    state = {"total": steps or 10**9, "loss": float("nan")}
+
+    def step_fn(i: int, total_guess: int) -> None:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i, state["total"], lr, recipe.warmup)
+        x = next(it)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(model, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["loss"] = float(loss)
+
+    t0 = time.perf_counter()
+    start = 0
+    if steps is None:
+        state["total"] = _calibrate(step_fn, budget_s, log, name)
+        start = 5
+    total = state["total"]
+    bar = tqdm(range(start, total), desc=name, initial=start, total=total, mininterval=5)
+    for i in bar:
+        step_fn(i, total)
+        bar.set_postfix(loss=f"{state['loss']:.3f}", refresh=False)
+        if (i + 1) % recipe.eval_every == 0 or i + 1 == total:
+            vl, bpb = val_loss(model, val_windows, nbytes)
+            hist["step"].append(i + 1)
+            hist["train_loss"].append(state["loss"])
+            hist["val_loss"].append(vl)
+            hist["val_bpb"].append(bpb)
+            log(
+                f"[{name}] step {i + 1}/{total} train {state['loss']:.4f} val {vl:.4f} "
+                f"bpb {bpb:.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"t {time.perf_counter() - t0:.0f}s"
+            )
+        if steps is None and time.perf_counter() - t0 > 1.25 * budget_s:
+            log(f"[{name}] stopped on time at step {i + 1}")
+            vl, bpb = val_loss(model, val_windows, nbytes)
+            hist["step"].append(i + 1)
+            hist["train_loss"].append(state["loss"])
+            hist["val_loss"].append(vl)
+            hist["val_bpb"].append(bpb)
+            break
+    hist["steps"] = hist["step"][-1] if hist["step"] else total
+    hist["planned_steps"] = total
+    hist["seconds"] = time.perf_counter() - t0
+    model.eval()
+    return hist
+
+
+def eagle_loss(
+    head: EagleHead, target: LlamaForCausalLM, x: torch.Tensor, noise: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE loss on windows ``x int64[B, T + 1]`` -> ``(loss, top1 agreement)``.
+
+    Features ``h = target.model(x).last_hidden_state``.  Head position ``i`` gets
+    ``(x[i+1], h[i] + noise)`` and is trained to regress ``h[i+1]`` (smooth L1) and
+    to match the target's next-token distribution at ``i+1`` (soft cross entropy).
+    """
+    with torch.no_grad():
+        h = target.model(input_ids=x).last_hidden_state.float()
+        tlogits = target.lm_head(h).float()
+    hin = h[:, :-1]
+    if noise:
+        hin = hin + (torch.rand_like(hin) * 2 - 1) * noise
+    pos = torch.arange(1, x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+    out = head(x[:, 1:], hin, position_ids=pos)
+    reg = F.smooth_l1_loss(out.hidden_states.float(), h[:, 1:])
+    p = tlogits[:, 1:].softmax(-1)
+    cls = -(p * out.logits.float().log_softmax(-1)).sum(-1).mean()
+    agree = (out.logits.argmax(-1) == tlogits[:, 1:].argmax(-1)).float().mean()
+    return reg + cls, agree
+
+
+def train_eagle(
+    head: EagleHead,
+    target: LlamaForCausalLM,
+    train_stream: torch.Tensor,
+    val_windows: torch.Tensor,
+    recipe: Recipe,
+    seed: int,
+    steps: int | None,
+    budget_s: float,
+    log: Logger,
+) -> dict:
+    """Train ``head`` on ``target``'s own features (target frozen)."""
+    torch.manual_seed(seed)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    target.eval()
+    head.train()
+    opt = _optimizer(head.parameters(), recipe.eagle_lr, recipe.weight_decay)
+    it = data.batches(train_stream, recipe.seq_len, recipe.batch_size, seed + 1)
+    hist = {"step": [], "train_loss": [], "val_agree": []}
+    state = {"total": steps or 10**9, "loss": float("nan"), "agree": float("nan")}
+
+    def step_fn(i: int, total_guess: int) -> None:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i, state["total"], recipe.eagle_lr, recipe.warmup)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, agree = eagle_loss(head, target, next(it), recipe.eagle_noise)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["loss"], state["agree"] = float(loss), float(agree)
+
+    def val() -> float:
+        head.eval()
+        acc = []
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for w in val_windows.split(4):
+                acc.append(float(eagle_loss(head, target, w, 0.0)[1]))
+        head.train()
+        return sum(acc) / len(acc)
+
+    t0 = time.perf_counter()
+    start = 0
+    if steps is None:
+        state["total"] = _calibrate(step_fn, budget_s, log, "eagle")
+        start = 5
+    total = state["total"]
+    bar = tqdm(range(start, total), desc="eagle", initial=start, total=total, mininterval=5)
+    for i in bar:
+        step_fn(i, total)
+        bar.set_postfix(loss=f"{state['loss']:.3f}", agree=f"{state['agree']:.3f}", refresh=False)
+        if (i + 1) % recipe.eval_every == 0 or i + 1 == total:
+            va = val()
+            hist["step"].append(i + 1)
+            hist["train_loss"].append(state["loss"])
+            hist["val_agree"].append(va)
+            log(
+                f"[eagle] step {i + 1}/{total} train {state['loss']:.4f} "
+                f"train-agree {state['agree']:.3f} val-agree {va:.4f} "
+                f"t {time.perf_counter() - t0:.0f}s"
+            )
+        if steps is None and time.perf_counter() - t0 > 1.25 * budget_s:
+            log(f"[eagle] stopped on time at step {i + 1}")
+            hist["step"].append(i + 1)
+            hist["train_loss"].append(state["loss"])
+            hist["val_agree"].append(val())
+            break
+    hist["steps"] = hist["step"][-1] if hist["step"] else total
+    hist["planned_steps"] = total
+    hist["seconds"] = time.perf_counter() - t0
+    head.eval()
+    return hist
+
+
+def save_dir_atomic(out: Path, name: str, save_fn) -> None:
+    """``save_fn(tmpdir)`` then move the directory to ``out / name`` (replacing it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}-"))
+    try:
+        save_fn(tmp)
+        dest = out / name
+        if dest.exists():
+            old = out / f".{name}-old"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def save_lm(model: LlamaForCausalLM, tokenizer, out: Path, name: str, dtype) -> None:
+    def fn(tmp: Path) -> None:
+        model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        model.float()
+
+    save_dir_atomic(out, name, fn)
+
+
+def n_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def run_train(
+    out: str | os.PathLike,
+    minutes: float = 10.0,
+    seed: int = 0,
+    recipe: Recipe | None = None,
+    steps: dict[str, int | None] | None = None,
+    stages: tuple[str, ...] = ("target", "draft", "eagle"),
+    save_dtype: torch.dtype = torch.bfloat16,
+    command: str = "",
+) -> dict:
+    """Train tokenizer + the stages in ``stages`` into ``out``; returns a summary dict.
+
+    Layout: ``out/{tokenizer,target,draft,eagle}``, ``out/train_log.txt`` and
+    ``out/train_summary.json``.  Stages not listed are loaded from ``out``.  Weights
+    are stored in ``save_dtype``; the EAGLE head is trained on the target *after* its
+    round trip through ``save_dtype``, i.e. on exactly the stored target.
+    """
+    import json
+    import platform
+
+    import transformers
+
+    from .eagle import _atomic_write
+
+    recipe = recipe or Recipe()
+    steps = steps or {}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Logger(out / "train_log.txt")
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    wall0 = time.perf_counter()
+    log(f"=== train {time.strftime('%Y-%m-%d %H:%M:%S %Z')} command: {command}")
+    log(
+        f"python {platform.python_version()} torch {torch.__version__} "
+        f"transformers {transformers.__version__} threads {torch.get_num_threads()} "
+        f"seed {seed} minutes {minutes} stages {stages} steps {steps}"
+    )
+    log(f"recipe {asdict(recipe)}")
+    train_files, val_files = data.corpus_files()
+    if recipe.max_train_files is not None:
+        train_files = train_files[: recipe.max_train_files]
+        val_files = val_files[: max(2, recipe.max_train_files // 10)]
+    train_texts, val_texts = data.read_texts(train_files), data.read_texts(val_files)
+    log(
+        f"corpus {data.stdlib_root()}: train {len(train_texts)} files "
+        f"{sum(len(t.encode()) for t in train_texts)} bytes, val {len(val_texts)} files "
+        f"{sum(len(t.encode()) for t in val_texts)} bytes"
+    )
+    tok_dir = out / "tokenizer"
+    if "tokenizer" in stages or not (tok_dir / "tokenizer.json").is_file():
+        tok = data.train_tokenizer(train_texts, recipe.vocab_size)
+        save_dir_atomic(out, "tokenizer", tok.save_pretrained)
+    tok = data.load_tokenizer(tok_dir)
+    nbytes = data.token_byte_lengths(tok)
+    train_stream = data.encode_stream(tok, train_texts)
+    val_stream = data.encode_stream(tok, val_texts)
+    val_windows = data.eval_windows(val_stream, recipe.seq_len, recipe.eval_windows)
+    log(
+        f"tokens: train {train_stream.numel()}, val {val_stream.numel()}; "
+        f"bytes/token {nbytes[val_stream].sum().item() / val_stream.numel():.3f}; "
+        f"prep {time.perf_counter() - wall0:.0f}s"
+    )
+    budget = max(30.0, minutes * 60 - (time.perf_counter() - wall0))
+    shares = dict(zip(("target", "draft", "eagle"), recipe.share))
+    run_share = sum(shares[s] for s in stages if s in shares) or 1.0
+    summary: dict = {"seed": seed, "recipe": asdict(recipe), "command": command, "stages": {}}
+    eos = tok.eos_token_id
+    models: dict[str, LlamaForCausalLM] = {}
+    for name in ("target", "draft"):
+        if name not in stages:
+            continue
+        spec = recipe.target if name == "target" else recipe.draft
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(spec.config(len(tok), recipe.seq_len, eos))
+        log(f"[{name}] {n_params(model) / 1e6:.3f}M parameters {asdict(spec)}")
+        hist = train_lm(
+            model,
+            train_stream,
+            val_windows,
+            nbytes,
+            recipe,
+            recipe.lr if name == "target" else recipe.draft_lr,
+            seed,
+            steps.get(name),
+            budget * shares[name] / run_share,
+            log,
+            name,
+        )
+        hist["params"] = n_params(model)
+        save_lm(model, tok, out, name, save_dtype)
+        summary["stages"][name] = hist
+        models[name] = model
+    if "eagle" in stages:
+        target = models.get("target")
+        if target is None:
+            from transformers import AutoModelForCausalLM
+
+            target = AutoModelForCausalLM.from_pretrained(
+                str(out / "target"), dtype=torch.float32, local_files_only=True
+            )
+        head = EagleHead.from_target(target, seed=seed)
+        head.target_path = "../target"
+        head.float()
+        log(f"[eagle] {n_params(head, trainable_only=True) / 1e6:.3f}M own parameters")
+        hist = train_eagle(
+            head,
+            target,
+            train_stream,
+            val_windows,
+            recipe,
+            seed,
+            steps.get("eagle"),
+            budget * shares["eagle"] / run_share,
+            log,
+        )
+        hist["params"] = sum(v.numel() for v in head.trainable_state_dict().values())
+        save_dir_atomic(out, "eagle", lambda p: head.save_pretrained(p, dtype=save_dtype))
+        summary["stages"]["eagle"] = hist
+    summary["wall_seconds"] = time.perf_counter() - wall0
+    log(
+        f"=== done in {summary['wall_seconds']:.0f}s; steps "
+        + ", ".join(f"{k}={v['steps']}" for k, v in summary["stages"].items())
+    )
+    name = (
+        "train_summary.json"
+        if set(stages) >= {"target", "draft", "eagle"}
+        else (f"train_summary_{'_'.join(stages)}.json")
+    )
+    _atomic_write(out / name, json.dumps(summary, indent=1).encode())
+    return summary
