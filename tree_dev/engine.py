@@ -474,7 +474,9 @@ class Engine:
                 if dr.eagle:
                     r.pending_feats = r.pending_feats[-1:]
         # 2. grow every request's draft tree level by level, one packed forward each
-        growers = [_TreeGrower(r, self.policy) for r in batch]
+        growers = [
+            _TreeGrower(r, self.policy, can_draft=not dr.eagle or bool(r.pending)) for r in batch
+        ]
         active = [g for g in growers if g.ready_to_forward()]
         while active:
             new_nodes = [g.next_nodes() for g in active]
@@ -499,9 +501,10 @@ class Engine:
             ):
                 g.absorb(lp, h)
             active = [g for g in active if g.ready_to_forward()]
-        for r in batch:  # the root is committed: keep its draft K/V
-            r.draft_len += 1
-            r.pending = []
+        for g in growers:  # the root is committed: keep its draft K/V
+            if g.can_draft:
+                g.req.draft_len += 1
+                g.req.pending = []
         return [g.result() for g in growers]
 
     # ----------------------------------------------------------------- acceptance
@@ -607,8 +610,9 @@ class _TreeGrower:
     or -1 for the root, token, cumulative log-prob, depth, forwarded index).
     """
 
-    def __init__(self, req: Request, policy: Policy):
+    def __init__(self, req: Request, policy: Policy, can_draft: bool = True):
         self.req = req
+        self.can_draft = can_draft  # False: an EAGLE head has no feature for this root yet
         self.policy = policy
         self.fwd_parents = [-1]
         self.fwd_tokens = [req.root]
@@ -617,7 +621,7 @@ class _TreeGrower:
         self.cands: list[tuple[int, int, float, int]] = []
         self.cand_fwd: dict[int, int] = {}
         self.level = 0
-        self._to_forward = [0]
+        self._to_forward = [0] if can_draft else []
         if isinstance(policy, StaticPolicy):
             self.tree = policy.tree
             self.node_cand = {0: -1}  # static tree node -> candidate index
