@@ -36,9 +36,11 @@ def llama_reconstruct(rank_tensors, module_name, phase, positions, padding_mask=
     tensor = rank_tensors[0]
     if padding_mask is not None:
         keep = torch.tensor([not m for m in padding_mask], dtype=torch.bool)
-        if tensor.shape[0] == keep.numel():
-            return tensor[keep]
-        return tensor
+        if tensor.shape[0] != keep.numel():
+            raise ValueError(
+                f"{module_name}: padding_mask has {keep.numel()} slots, tensor {list(tensor.shape)}"
+            )
+        return tensor[keep]
     if positions:
         real = num_real_tokens(positions)
         if tensor.shape[0] > real:
