@@ -11,6 +11,8 @@ executor in ``kernels/nki/executor/`` (see ``docs/nki_executor.md``).
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 OPS = ("tree_attention", "tree_walk", "kv_compact")
 
@@ -26,3 +28,16 @@ def __getattr__(name: str):
     if name in OPS:
         return getattr(importlib.import_module(f"{__name__}.{name}"), name)
     raise AttributeError(name)
+
+
+class _Backend(types.ModuleType):
+    """Keeps ``kernels.nki.<op>`` the op function: importing the submodule of the same
+    name would otherwise shadow it with the module."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in OPS and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Backend
