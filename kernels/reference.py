@@ -175,8 +175,9 @@ def tree_walk(
             already rejected siblings removed and renormalised; if all fail,
             sample the bonus from p'. ``"draft_probs"`` (lossless for children
             drawn without replacement from ``draft_probs[parent]``): accept with
-            ``min(1, p(c)/q(c))``; on rejection ``p <- norm(max(p - q, 0))`` and
-            the tried token is removed from q (recursive rejection sampling).
+            ``min(1, p(c)/q(c))``; on rejection ``p <- norm(max(p - q, 0))`` (p
+            kept if that is all zero, i.e. p == q up to rounding) and the tried
+            token is removed from q (recursive rejection sampling).
         uniforms: ``[T, 2]`` in [0, 1): column 0 is node i's acceptance test,
             column 1 the bonus draw when the walk stops at node i.
         draft_probs: ``[T, V]`` row i = the draft distribution node i's children
@@ -230,8 +231,9 @@ def tree_walk(
                     if mode == "target_only":
                         p[t] = 0.0
                     else:
-                        p = torch.clamp(p - q, min=0.0)
-                        p = p / p.sum() if float(p.sum()) > 0 else p
+                        residual = torch.clamp(p - q, min=0.0)
+                        if float(residual.sum()) > 0:  # else p <= q: p == q up to rounding
+                            p = residual / residual.sum()
                         q[t] = 0.0
                         q = q / q.sum() if float(q.sum()) > 0 else q
                 bonus_dist = p
