@@ -189,15 +189,15 @@ def tree_walk(
     """
     b_count, d = tree.num_requests, tree.max_depth
     dev = logits.device
-    acc_len = torch.zeros(b_count, dtype=torch.int64, device=dev)
-    acc_nodes = torch.full((b_count, d + 1), -1, dtype=torch.int64, device=dev)
-    out_tokens = torch.full((b_count, d + 1), -1, dtype=torch.int64, device=dev)
+    acc_len, acc_nodes, out_tokens = [], [], []  # Python lists: the loop is per element
     probs = None
     if mode != "greedy":
         probs = target_probs(logits, tree.request_ids, temperature, top_p)
     cu = tree.cu_nodes.tolist()
     first_child = tree.first_child.tolist()
     next_sibling = tree.next_sibling.tolist()
+    tok = tokens.tolist()
+    unif = uniforms.tolist() if uniforms is not None else None
     for b in range(b_count):
         s = cu[b]
         node, path, emitted = 0, [0], []
@@ -211,7 +211,7 @@ def tree_walk(
             if mode == "greedy":
                 best = int(torch.argmax(logits[s + node]))
                 for c in children:
-                    if int(tokens[s + c]) == best:
+                    if tok[s + c] == best:
                         accepted = c
                         break
                 bonus_dist = None
@@ -219,8 +219,8 @@ def tree_walk(
                 p = probs[s + node].clone()
                 q = draft_probs[s + node].double().clone() if mode == "draft_probs" else None
                 for c in children:
-                    t = int(tokens[s + c])
-                    u = float(uniforms[s + c, 0])
+                    t = tok[s + c]
+                    u = unif[s + c][0]
                     if mode == "target_only":
                         ok = u * float(p.sum()) < float(p[t])
                     else:
@@ -241,15 +241,16 @@ def tree_walk(
                 if mode == "greedy":
                     emitted.append(best)
                 else:
-                    emitted.append(sample_from(bonus_dist, float(uniforms[s + node, 1])))
+                    emitted.append(sample_from(bonus_dist, unif[s + node][1]))
                 break
             path.append(accepted)
-            emitted.append(int(tokens[s + accepted]))
+            emitted.append(tok[s + accepted])
             node = accepted
-        acc_len[b] = len(path)
-        acc_nodes[b, : len(path)] = torch.tensor(path)
-        out_tokens[b, : len(emitted)] = torch.tensor(emitted)
-    return WalkResult(acc_len, acc_nodes, out_tokens)
+        acc_len.append(len(path))
+        acc_nodes.append(path + [-1] * (d + 1 - len(path)))
+        out_tokens.append(emitted + [-1] * (d + 1 - len(emitted)))
+    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.int64, device=dev)
+    return WalkResult(as_tensor(acc_len), as_tensor(acc_nodes), as_tensor(out_tokens))
 
 
 def kv_compact(

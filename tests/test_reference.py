@@ -313,16 +313,16 @@ def target_tables(seed: int):
     return [torch.randn((VOCAB,) * (k + 1), generator=gen) for k in range(4)]
 
 
+def context_row(tables, tree: TokenTree, tokens: torch.Tensor, i: int) -> torch.Tensor:
+    """``tokens [R, N]`` -> the row of ``tables`` for node ``i``'s context, ``[R, V]``."""
+    path = tree.path_to(i)[1:]
+    table = tables[len(path)]
+    return table[tuple(tokens[:, j] for j in path)] if path else table.expand(len(tokens), -1)
+
+
 def context_rows(tables, tree: TokenTree, tokens: torch.Tensor) -> torch.Tensor:
     """``tokens [R, N]`` -> the row of ``tables`` for every node's context, ``[R, N, V]``."""
-    rows = []
-    for i in range(tree.num_nodes):
-        path = tree.path_to(i)[1:]
-        table = tables[len(path)]
-        rows.append(
-            table[tuple(tokens[:, j] for j in path)] if path else table.expand(len(tokens), -1)
-        )
-    return torch.stack(rows, 1)
+    return torch.stack([context_row(tables, tree, tokens, i) for i in range(tree.num_nodes)], 1)
 
 
 def chi_square_two_tokens(out_tokens, expected_first, expected_second, gen):
@@ -363,7 +363,7 @@ def top_k_drafts(tree: TokenTree, tables) -> torch.Tensor:
         kids[tree.parents[i]].append(i)
     for p in range(tree.num_nodes):
         if kids[p]:
-            order = torch.argsort(context_rows(tables, tree, tokens[None])[0, p], descending=True)
+            order = torch.argsort(context_row(tables, tree, tokens[None], p)[0], descending=True)
             picks = order[: len(kids[p]) - 1].tolist() + [int(order[-1])]
             tokens[kids[p]] = torch.tensor(picks)
     return tokens
@@ -413,7 +413,7 @@ def test_draft_probs_walk_is_lossless(temperature, top_p):
         kids[tree.parents[i]].append(i)
     for p in range(tree.num_nodes):  # parents come first: their tokens are known
         if kids[p]:
-            q = context_rows(draft_tables, tree, tokens)[:, p]
+            q = context_row(draft_tables, tree, tokens, p)
             tokens[:, kids[p]] = gumbel_children(q, len(kids[p]), gen)
     q_rows = context_rows(draft_tables, tree, tokens).reshape(-1, VOCAB)
     logits = context_rows(tables, tree, tokens).reshape(-1, VOCAB)
