@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--draft-steps", type=int, default=None)
     tr.add_argument("--eagle-steps", type=int, default=None)
     tr.add_argument("--share", default=None, help="time shares target,draft,eagle e.g. 0.7,0.1,0.2")
+    tr.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy CPU)")
     tr.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     ev = sub.add_parser("eval", help="perplexity, bits/byte, draft agreement, top-K hit rates")
     ev.add_argument("--out", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory")
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             steps,
             tuple(s for s in args.stages.split(",") if s),
             command=cmd,
+            threads=args.threads,
         )
     else:
         from .evaluate import run_eval

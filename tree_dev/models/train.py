@@ -1,9 +1,10 @@
 """Training of the tokenizer, target, small draft LM and EAGLE head (CPU, bf16 autocast).
 
-Every stage is deterministic for a seed once its number of steps is fixed.  With
-``steps=None`` a stage times a few steps and sizes itself to its share of the wall
-clock budget; the chosen step counts are logged so a run can be repeated exactly
-with ``--target-steps/--draft-steps/--eagle-steps``.
+With explicit step counts (``--target-steps/--draft-steps/--eagle-steps``) every
+stage is deterministic for a seed (up to float reduction order).  With ``steps=None``
+a stage runs for its share of the wall-clock budget and its learning-rate schedule
+follows the elapsed time (so a shared, busy CPU still gets a full schedule); the
+steps actually run are logged.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ class Recipe:
 
     vocab_size: int = 4096
     seq_len: int = 512
-    target: LMSpec = field(default_factory=lambda: LMSpec(256, 8, 4, 2, 704))
+    target: LMSpec = field(default_factory=lambda: LMSpec(256, 6, 4, 2, 704))
     draft: LMSpec = field(default_factory=lambda: LMSpec(128, 2, 2, 1, 384))
-    batch_size: int = 16
+    batch_size: int = 8
     lr: float = 2e-3
     draft_lr: float = 3e-3
     eagle_lr: float = 2e-3
@@ -83,12 +84,14 @@ TINY = Recipe(
 )
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warm-up then cosine decay to 10% of ``peak``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+def lr_at(step: int, total: int, peak: float, warmup: int, progress: float | None = None) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of ``peak``.
+
+    The decay follows ``step / total``, or ``progress`` in [0, 1] (wall-clock mode).
+    """
+    t = (step - warmup) / max(1, total - warmup) if progress is None else progress
+    w = min(1.0, (step + 1) / warmup)
+    return w * peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, t)))))
 
 
 class Logger:
@@ -136,17 +139,6 @@ def _optimizer(params, lr: float, wd: float) -> torch.optim.AdamW:
     )
 
 
-def _calibrate(step_fn, budget_s: float, log: Logger, name: str) -> int:
-    """Run 5 steps (counted in training), return the total steps fitting ``budget_s``."""
-    t0 = time.perf_counter()
-    for i in range(5):
-        step_fn(i, 5)
-    per = (time.perf_counter() - t0) / 5
-    steps = max(4, int(budget_s / per))
-    log(f"[{name}] calibration: {per:.2f} s/step -> {steps} steps for {budget_s:.0f} s")
-    return steps
-
-
 def train_lm(
     model: LlamaForCausalLM,
     train_stream: torch.Tensor,
@@ -166,11 +158,11 @@ def train_lm(
     opt = _optimizer(model.parameters(), lr, recipe.weight_decay)
     it = data.batches(train_stream, recipe.seq_len, recipe.batch_size, seed)
     hist = {"step": [], "train_loss": [], "val_loss": [], "val_bpb": []}
-    state = {"total": steps or 10**9, "loss": float("nan")}
+    state = {"loss": float("nan"), "progress": None}
 
     def step_fn(i: int, total_guess: int) -> None:
         for g in opt.param_groups:
-            g["lr"] = lr_at(i, state["total"], lr, recipe.warmup)
+            g["lr"] = lr_at(i, total_guess, lr, recipe.warmup, state["progress"])
         x = next(it)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = lm_loss(model, x)
@@ -178,39 +170,38 @@ def train_lm(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        state["loss"] = float(loss)
+        state["loss"] = float(loss.detach())
 
     t0 = time.perf_counter()
-    start = 0
-    if steps is None:
-        state["total"] = _calibrate(step_fn, budget_s, log, name)
-        start = 5
-    total = state["total"]
-    bar = tqdm(range(start, total), desc=name, initial=start, total=total, mininterval=5)
+    timed = steps is None
+    total = 10**9 if timed else steps
+    bar = tqdm(range(total), desc=name, total=None if timed else total, mininterval=5)
     for i in bar:
+        state["progress"] = (time.perf_counter() - t0) / budget_s if timed else None
+        if timed and state["progress"] >= 1.0:
+            break
         step_fn(i, total)
         bar.set_postfix(loss=f"{state['loss']:.3f}", refresh=False)
-        if (i + 1) % recipe.eval_every == 0 or i + 1 == total:
+        if (i + 1) % recipe.eval_every == 0:
             vl, bpb = val_loss(model, val_windows, nbytes)
             hist["step"].append(i + 1)
             hist["train_loss"].append(state["loss"])
             hist["val_loss"].append(vl)
             hist["val_bpb"].append(bpb)
             log(
-                f"[{name}] step {i + 1}/{total} train {state['loss']:.4f} val {vl:.4f} "
+                f"[{name}] step {i + 1} train {state['loss']:.4f} val {vl:.4f} "
                 f"bpb {bpb:.4f} lr {opt.param_groups[0]['lr']:.2e} "
                 f"t {time.perf_counter() - t0:.0f}s"
             )
-        if steps is None and time.perf_counter() - t0 > 1.25 * budget_s:
-            log(f"[{name}] stopped on time at step {i + 1}")
-            vl, bpb = val_loss(model, val_windows, nbytes)
-            hist["step"].append(i + 1)
-            hist["train_loss"].append(state["loss"])
-            hist["val_loss"].append(vl)
-            hist["val_bpb"].append(bpb)
-            break
-    hist["steps"] = hist["step"][-1] if hist["step"] else total
-    hist["planned_steps"] = total
+    done = i if timed else total
+    if not hist["step"] or hist["step"][-1] != done:
+        vl, bpb = val_loss(model, val_windows, nbytes)
+        hist["step"].append(done)
+        hist["train_loss"].append(state["loss"])
+        hist["val_loss"].append(vl)
+        hist["val_bpb"].append(bpb)
+        log(f"[{name}] end at step {done}: val {vl:.4f} bpb {bpb:.4f}")
+    hist["steps"] = done
     hist["seconds"] = time.perf_counter() - t0
     model.eval()
     return hist
@@ -260,18 +251,18 @@ def train_eagle(
     opt = _optimizer(head.parameters(), recipe.eagle_lr, recipe.weight_decay)
     it = data.batches(train_stream, recipe.seq_len, recipe.batch_size, seed + 1)
     hist = {"step": [], "train_loss": [], "val_agree": []}
-    state = {"total": steps or 10**9, "loss": float("nan"), "agree": float("nan")}
+    state = {"loss": float("nan"), "agree": float("nan"), "progress": None}
 
     def step_fn(i: int, total_guess: int) -> None:
         for g in opt.param_groups:
-            g["lr"] = lr_at(i, state["total"], recipe.eagle_lr, recipe.warmup)
+            g["lr"] = lr_at(i, total_guess, recipe.eagle_lr, recipe.warmup, state["progress"])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, agree = eagle_loss(head, target, next(it), recipe.eagle_noise)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        state["loss"], state["agree"] = float(loss), float(agree)
+        state["loss"], state["agree"] = float(loss.detach()), float(agree)
 
     def val() -> float:
         head.eval()
@@ -283,33 +274,32 @@ def train_eagle(
         return sum(acc) / len(acc)
 
     t0 = time.perf_counter()
-    start = 0
-    if steps is None:
-        state["total"] = _calibrate(step_fn, budget_s, log, "eagle")
-        start = 5
-    total = state["total"]
-    bar = tqdm(range(start, total), desc="eagle", initial=start, total=total, mininterval=5)
+    timed = steps is None
+    total = 10**9 if timed else steps
+    bar = tqdm(range(total), desc="eagle", total=None if timed else total, mininterval=5)
     for i in bar:
+        state["progress"] = (time.perf_counter() - t0) / budget_s if timed else None
+        if timed and state["progress"] >= 1.0:
+            break
         step_fn(i, total)
         bar.set_postfix(loss=f"{state['loss']:.3f}", agree=f"{state['agree']:.3f}", refresh=False)
-        if (i + 1) % recipe.eval_every == 0 or i + 1 == total:
+        if (i + 1) % recipe.eval_every == 0:
             va = val()
             hist["step"].append(i + 1)
             hist["train_loss"].append(state["loss"])
             hist["val_agree"].append(va)
             log(
-                f"[eagle] step {i + 1}/{total} train {state['loss']:.4f} "
+                f"[eagle] step {i + 1} train {state['loss']:.4f} "
                 f"train-agree {state['agree']:.3f} val-agree {va:.4f} "
                 f"t {time.perf_counter() - t0:.0f}s"
             )
-        if steps is None and time.perf_counter() - t0 > 1.25 * budget_s:
-            log(f"[eagle] stopped on time at step {i + 1}")
-            hist["step"].append(i + 1)
-            hist["train_loss"].append(state["loss"])
-            hist["val_agree"].append(val())
-            break
-    hist["steps"] = hist["step"][-1] if hist["step"] else total
-    hist["planned_steps"] = total
+    done = i if timed else total
+    if not hist["step"] or hist["step"][-1] != done:
+        hist["step"].append(done)
+        hist["train_loss"].append(state["loss"])
+        hist["val_agree"].append(val())
+        log(f"[eagle] end at step {done}: val-agree {hist['val_agree'][-1]:.4f}")
+    hist["steps"] = done
     hist["seconds"] = time.perf_counter() - t0
     head.eval()
     return hist
@@ -337,10 +327,21 @@ def save_dir_atomic(out: Path, name: str, save_fn) -> None:
 
 
 def save_lm(model: LlamaForCausalLM, tokenizer, out: Path, name: str, dtype) -> None:
+    """Save ``model`` with weights in ``dtype`` + ``tokenizer`` to ``out / name``.
+
+    The in-memory fp32 parameters are rounded through ``dtype`` so that the model
+    left in memory is exactly the stored one (buffers such as RoPE's ``inv_freq``
+    are left in fp32, as a fresh load computes them).
+    """
+    import copy
+
     def fn(tmp: Path) -> None:
-        model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        copy.deepcopy(model).to(dtype).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        model.float()
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
 
     save_dir_atomic(out, name, fn)
 
@@ -358,6 +359,7 @@ def run_train(
     stages: tuple[str, ...] = ("target", "draft", "eagle"),
     save_dtype: torch.dtype = torch.bfloat16,
     command: str = "",
+    threads: int = 2,
 ) -> dict:
     """Train tokenizer + the stages in ``stages`` into ``out``; returns a summary dict.
 
@@ -378,7 +380,7 @@ def run_train(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     log = Logger(out / "train_log.txt")
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(threads)
     wall0 = time.perf_counter()
     log(f"=== train {time.strftime('%Y-%m-%d %H:%M:%S %Z')} command: {command}")
     log(
