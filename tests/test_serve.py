@@ -1,0 +1,667 @@
+"""serve.py through real clients: the official ``openai`` package and ``httpx``.
+
+The server runs in a thread (uvicorn on a socket bound to 127.0.0.1:0) over tiny
+random Llama models: a target, and a draft LM that is a copy of the target (so
+drafts are accepted and several tokens arrive per step). Expected outputs come
+from a separate offline ``Engine`` over the same models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TREE = "topk:k=2,depth=3,budget=6"
+MAX_LEN = 192
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nimport sys\nprint(os.getcwd(), sys.argv)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
+]
+
+
+def _load_serve():
+    if "serve" in sys.modules:
+        return sys.modules["serve"]
+    spec = importlib.util.spec_from_file_location("serve", ROOT / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["serve"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+serve = _load_serve()
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny models are faster single-threaded
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tree_dev.models.data import train_tokenizer
+
+    return train_tokenizer(TEXTS * 4, vocab_size=320)
+
+
+def _tiny_target(vocab: int, eos: int, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=eos,
+        bos_token_id=eos,
+        pad_token_id=eos,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tokenizer, threads):
+    target = _tiny_target(len(tokenizer), tokenizer.eos_token_id)
+    return target, copy.deepcopy(target)
+
+
+class _Running:
+    def __init__(self, app, port, server, thread):
+        self.app, self.port, self.server, self.thread = app, port, server, thread
+        self.base = f"http://127.0.0.1:{port}"
+
+    @property
+    def engine(self):
+        return self.app.state.worker.engine
+
+
+def _start(app) -> _Running:
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    return _Running(app, port, server, thread)
+
+
+@pytest.fixture(scope="module")
+def srv(models, tokenizer):
+    from tree_dev.engine import Engine
+
+    target, draft = models
+    engine = Engine(target, draft=draft, tree=TREE, max_batch=8, max_model_len=MAX_LEN)
+    app = serve.create_app(engine, tokenizer, "tiny")
+    running = _start(app)
+    yield running
+    running.server.should_exit = True
+    running.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def offline(models):
+    """Greedy outputs of a separate engine, one request at a time."""
+    from tree_dev.engine import Engine, SamplingParams
+
+    target, draft = models
+    eng = Engine(target, draft=draft, tree=TREE, max_batch=1, max_model_len=MAX_LEN)
+
+    def run(prompt: list[int], max_tokens: int) -> list[int]:
+        return eng.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+
+    return run
+
+
+def _client(srv, **kw):
+    import openai
+
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, **kw)
+
+
+def _wait_idle(srv, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while srv.engine.has_work() or srv.app.state.worker._jobs:
+        assert time.time() < deadline, "engine still busy"
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------- endpoints
+def test_completion_matches_offline_engine(srv, offline, tokenizer):
+    client = _client(srv)
+    prompt = tokenizer.encode(TEXTS[0])
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    want = offline(prompt, 12)
+    assert r.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.completion_tokens == len(want) == 12
+    assert r.choices[0].finish_reason == "length"
+    ext = r.model_extra["treespec"]
+    assert ext["tree"] == TREE
+    # the draft is a copy of the target: every draft token is accepted, so steps < tokens
+    assert ext["steps"] < 12 and ext["mean_accepted_length"] > 1
+    assert ext["mean_accepted_length"] == pytest.approx(12 / ext["steps"])
+    depths = ext["acceptance_per_depth"]
+    assert 1 <= len(depths) <= 3 and depths[0] == 1.0  # greedy draft == target at depth 1
+
+
+def test_text_prompt_and_token_ids(srv, offline, tokenizer):
+    client = _client(srv)
+    r = client.completions.create(
+        model="tiny",
+        prompt=TEXTS[1],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    want = offline(tokenizer.encode(TEXTS[1]), 10)
+    assert r.choices[0].model_extra["token_ids"] == want
+    assert r.usage.prompt_tokens == len(tokenizer.encode(TEXTS[1]))
+
+
+def test_streaming_completion_equals_non_streaming(srv, tokenizer):
+    client = _client(srv)
+    prompt = tokenizer.encode(TEXTS[2])
+    kw = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["treespec"]["steps"] >= 1
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == len(
+        prompt
+    )
+
+
+def test_raw_sse_ends_with_done(srv, tokenizer):
+    body = {"prompt": TEXTS[0], "max_tokens": 5, "temperature": 0, "stream": True}
+    r = httpx.post(srv.base + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in r.text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_chat_plain_template_stream_and_not(srv, offline, tokenizer):
+    client = _client(srv)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    # the tokenizer has no chat template: the documented plain format applies
+    prompt_text = "system: be brief\nuser: hi\nassistant:"
+    ids = tokenizer.encode(prompt_text)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == tokenizer.decode(
+        offline(ids, 8), skip_special_tokens=True
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+
+
+def test_chat_uses_tokenizer_template(models, tokenizer):
+    from tree_dev.engine import Engine
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[bot]"
+    eng = Engine(models[0], tree="none", max_model_len=MAX_LEN)
+    server = serve.Server(serve.EngineWorker(eng, serve.Metrics(1)), tok, "tiny", {})
+    ids = server.chat_prompt([serve.ChatMessage(role="user", content="hey")])
+    assert ids == tok.encode("[user]hey[bot]")
+
+
+def test_stop_string_is_trimmed(srv, tokenizer):
+    client = _client(srv)
+    prompt = tokenizer.encode(TEXTS[3])
+    kw = dict(model="tiny", prompt=prompt, max_tokens=40, temperature=0)
+    full = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
+    assert len(full) > 6
+    stop = full[3:5]  # a stop string known to occur in the greedy output
+    want = full[: full.index(stop)]
+    r = client.completions.create(stop=[stop, "\x00never"], extra_body={"ignore_eos": True}, **kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    _wait_idle(srv)
+
+
+def test_text_assembler_holds_back_stop_prefixes():
+    class CharTok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    asm = serve.TextAssembler(CharTok(), ["END"])
+    assert asm.feed([ord("a"), ord("E")]) == "a"  # "E" may start "END": held back
+    assert asm.feed([ord("N")]) == ""
+    assert asm.feed([ord("x")]) == "ENx"  # not a stop after all
+    assert asm.feed([ord(c) for c in "yEND tail"]) == "y" and asm.stopped
+    assert asm.flush() == ""
+    asm = serve.TextAssembler(CharTok(), [])
+    assert asm.feed([ord("a"), 0xFFFD]) == "a"  # incomplete UTF-8 held back
+    assert asm.flush() == "\ufffd"
+
+
+def test_models_health_metrics(srv):
+    r = httpx.get(srv.base + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in r["data"]] == ["tiny"]
+    assert r["data"][0]["max_model_len"] == MAX_LEN
+    assert _client(srv).models.list().data[0].id == "tiny"
+    assert httpx.get(srv.base + "/health", timeout=10).json()["status"] == "ok"
+    before = httpx.get(srv.base + "/metrics", timeout=10).text
+    _client(srv).completions.create(model="tiny", prompt="x = 1", max_tokens=4, temperature=0)
+    text = httpx.get(srv.base + "/metrics", timeout=10).text
+
+    def value(body: str, name: str) -> float:
+        lines = [ln for ln in body.splitlines() if ln.startswith(name + " ")]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    assert (
+        value(text, "treespec_generation_tokens_total")
+        >= value(before, "treespec_generation_tokens_total") + 1
+    )
+    assert value(text, "treespec_step_latency_seconds_count") > value(
+        before, "treespec_step_latency_seconds_count"
+    )
+    assert value(text, 'treespec_accepted_length_bucket{le="+Inf"}') == value(
+        text, "treespec_accepted_length_count"
+    )
+    for name in ("treespec_requests_total", "treespec_acceptance_per_depth", "# TYPE"):
+        assert name in text
+    depth1 = [
+        ln for ln in text.splitlines() if ln.startswith('treespec_acceptance_per_depth{depth="1"}')
+    ]
+    assert depth1 and 0.0 < float(depth1[0].split()[-1]) <= 1.0
+
+
+# --------------------------------------------------------------------------- concurrency
+def test_16_concurrent_clients_match_offline(srv, offline, tokenizer):
+    import openai
+
+    prompts = []
+    for i in range(16):
+        text = TEXTS[i % 4] * (1 + i % 3)
+        prompts.append(tokenizer.encode(text)[: 8 + 5 * i])
+    max_tokens = [6 + (i % 5) * 2 for i in range(16)]
+    want = [offline(p, m) for p, m in zip(prompts, max_tokens)]
+
+    async def client_task(cl, i):
+        outs = []
+        for rep in range(3):
+            if rep == 1:  # streaming in the middle
+                stream = await cl.completions.create(
+                    model="tiny",
+                    prompt=prompts[i],
+                    max_tokens=max_tokens[i],
+                    temperature=0,
+                    stream=True,
+                    extra_body={"return_token_ids": True},
+                )
+                ids = []
+                async for c in stream:
+                    ids += c.choices[0].model_extra.get("token_ids", [])
+                outs.append(ids)
+            else:
+                r = await cl.completions.create(
+                    model="tiny",
+                    prompt=prompts[i],
+                    max_tokens=max_tokens[i],
+                    temperature=0,
+                    extra_body={"return_token_ids": True},
+                )
+                outs.append(r.choices[0].model_extra["token_ids"])
+        return outs
+
+    async def main():
+        cl = openai.AsyncOpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
+        async with cl:
+            return await asyncio.gather(*(client_task(cl, i) for i in range(16)))
+
+    got = asyncio.run(main())
+    for i, outs in enumerate(got):
+        for rep, ids in enumerate(outs):
+            assert ids == want[i], f"client {i} request {rep}"
+    _wait_idle(srv)
+    assert (
+        srv.app.state.metrics.requests.get("length", 0)
+        + srv.app.state.metrics.requests.get("stop", 0)
+        >= 48
+    )
+
+
+# --------------------------------------------------------------------------- bad requests
+BAD = [
+    ("malformed JSON", b'{"prompt": "x", "max_tokens": ', 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
+    ("wrong-typed max_tokens", {"prompt": "x", "max_tokens": "4"}, 400, "max_tokens"),
+    ("wrong-typed temperature", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("wrong-typed prompt", {"prompt": 3.5}, 400, "prompt"),
+    ("max_tokens zero", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("prompt too long", {"prompt": list(range(MAX_LEN)), "max_tokens": 2}, 400, "prompt"),
+    ("token outside vocabulary", {"prompt": [1, 10**6], "max_tokens": 2}, 400, "prompt"),
+    ("empty prompt", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
+    ("unknown model", {"model": "gpt-9", "prompt": "x", "max_tokens": 2}, 404, "model"),
+    ("top_p zero", {"prompt": "x", "top_p": 0.0}, 400, "top_p"),
+    ("n > 1", {"prompt": "x", "n": 2}, 400, "n"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_completion_request_gets_4xx_then_server_serves(srv, name, body, status, param):
+    url = srv.base + "/v1/completions"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    ok = httpx.post(url, json={"prompt": "x = 1", "max_tokens": 3, "temperature": 0}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_bad_chat_requests(srv):
+    url = srv.base + "/v1/chat/completions"
+    for body, param in (
+        ({"max_tokens": 3}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x" * 400}]}, "prompt"),
+    ):
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param
+    r = httpx.post(
+        url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=30
+    )
+    assert r.status_code == 200
+
+
+def test_openai_client_raises_on_4xx(srv):
+    import openai
+
+    client = _client(srv)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+# --------------------------------------------------------------------------- disconnect
+def test_disconnecting_stream_frees_its_request(srv, tokenizer):
+    _wait_idle(srv)
+    engine = srv.engine
+    free_before = engine.runner.cache.free_blocks
+    aborted = srv.app.state.metrics.requests.get("abort", 0)
+    body = {
+        "prompt": TEXTS[0],
+        "max_tokens": MAX_LEN - 20,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(timeout=30) as cl:
+        with cl.stream("POST", srv.base + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                got += line.startswith("data: ")
+                if got >= 2:
+                    break
+            assert engine.running, "the request should still be running"
+        # leaving the block closes the connection mid-stream
+    _wait_idle(srv)
+    assert srv.app.state.metrics.requests.get("abort", 0) == aborted + 1
+    assert not engine.running and not engine.waiting and not engine.requests
+    assert engine.runner.cache.free_blocks == free_before == engine.runner.cache.num_blocks
+    assert engine.draft_runner.cache.free_blocks == engine.draft_runner.cache.num_blocks
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+
+
+# --------------------------------------------------------------------------- flags
+def _cfg(*argv: str):
+    return serve.resolve_config(list(argv))
+
+
+def _fails(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        serve.resolve_config(list(argv))
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_flags_tree_and_drafts(tmp_path):
+    c = _cfg("--model", str(tmp_path), "--draft-model", "d", "--tree", "chain:3")
+    assert (c.tree, c.drafter, c.drafter_path, c.tree_source) == (
+        "chain:3",
+        "draft",
+        Path("d"),
+        "--tree",
+    )
+    c = _cfg("--model", str(tmp_path))
+    assert (c.tree, c.drafter) == ("none", None)
+    c = _cfg("--model", str(tmp_path), "--eagle-head", "e", "--port", "9", "--max-batch", "3")
+    assert c.drafter == "eagle" and c.port == 9 and c.max_batch == 3 and c.host == "127.0.0.1"
+    assert c.tree == serve.read_best_policy()[0]
+
+
+def test_flags_model_set_default(tmp_path):
+    for sub in ("target", "eagle", "draft", "tokenizer"):
+        (tmp_path / sub).mkdir()
+    c = _cfg("--model", str(tmp_path))
+    assert c.model == tmp_path / "target" and c.tokenizer == tmp_path / "tokenizer"
+    assert (c.drafter, c.drafter_path) == ("eagle", tmp_path / "eagle")
+    assert c.served_model_name == tmp_path.name
+    c = _cfg("--model", str(tmp_path), "--tree", "none")
+    assert (c.tree, c.drafter) == ("none", None)
+    c = _cfg()  # no arguments: the project's trained set, target + EAGLE head, best tree
+    assert c.model == serve.DEFAULT_MODEL_SET / "target"
+    assert (c.drafter, c.drafter_path) == ("eagle", serve.DEFAULT_MODEL_SET / "eagle")
+    assert c.tree == serve.read_best_policy()[0] and c.tokenizer.name == "tokenizer"
+
+
+def test_best_policy_file(tmp_path):
+    p = tmp_path / "e2e.json"
+    assert serve.read_best_policy(p)[0] == serve.DEFAULT_TREE
+    p.write_text(json.dumps({"best_policy": "chain:2"}))
+    assert serve.read_best_policy(p)[0] == "chain:2"
+    p.write_text(json.dumps({"best_policy": {"tree": "topk:k=2,depth=2,budget=4", "tau": 2.0}}))
+    assert serve.read_best_policy(p)[0] == "topk:k=2,depth=2,budget=4"
+    p.write_text(json.dumps({"best_policy": "bogus:1"}))
+    assert serve.read_best_policy(p)[0] == serve.DEFAULT_TREE
+
+
+@pytest.mark.parametrize(
+    "sc,tree,drafter",
+    [
+        ({"method": "eagle", "model": "h", "num_speculative_tokens": 4}, "chain:4", ("eagle", "h")),
+        (
+            {"method": "eagle3", "model": "h", "num_speculative_tokens": 1},
+            "chain:1",
+            ("eagle", "h"),
+        ),
+        ({"model": "d", "num_speculative_tokens": 2}, "chain:2", ("draft", "d")),
+        (
+            {
+                "method": "draft_model",
+                "model": "d",
+                "speculative_token_tree": "[(0,), (1,), (0, 0)]",
+            },
+            "paths:[(0,), (1,), (0, 0)]",
+            ("draft", "d"),
+        ),
+        (
+            {
+                "method": "eagle",
+                "model": "h",
+                "num_speculative_tokens": 2,
+                "speculative_token_tree": [[0], [1], [0, 0]],
+            },
+            "paths:[(0,), (1,), (0, 0)]",
+            ("eagle", "h"),
+        ),
+    ],
+)
+def test_vllm_speculative_config_mapping(tmp_path, sc, tree, drafter):
+    c = _cfg("--model", str(tmp_path), "--speculative-config", json.dumps(sc))
+    assert c.tree == tree and (c.drafter, str(c.drafter_path)) == drafter
+    assert c.tree_source == "--speculative-config"
+
+
+@pytest.mark.parametrize(
+    "argv,tree",
+    [
+        (["--speculative-eagle-topk", "4", "--speculative-num-steps", "5",
+          "--speculative-num-draft-tokens", "33"], "topk:k=4,depth=5,budget=32"),
+        (["--speculative-eagle-topk", "2", "--speculative-num-steps", "3"],
+         "topk:k=2,depth=3,budget=6"),
+        (["--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+          "--speculative-num-draft-tokens", "4"], "chain:3"),
+        (["--speculative-num-draft-tokens", "5"], "chain:4"),
+    ],
+)  # fmt: skip
+def test_sglang_flag_mapping(tmp_path, argv, tree):
+    c = _cfg("--model", str(tmp_path), "--speculative-algorithm", "EAGLE",
+             "--speculative-draft-model-path", "h", *argv)  # fmt: skip
+    assert (c.tree, c.drafter, c.drafter_path) == (tree, "eagle", Path("h"))
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--tree", "chain:2",
+          "--speculative-config", '{"model": "d", "num_speculative_tokens": 3}'],
+         ["--speculative-config", "--tree"]),
+        (["--tree", "chain:2", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2"],
+         ["--speculative-eagle-topk", "--tree"]),
+        (["--draft-model", "d", "--eagle-head", "e"], ["--eagle-head", "--draft-model"]),
+        (["--draft-model", "d", "--speculative-config", '{"model": "x", "method": "eagle"}'],
+         ["--speculative-config", "--draft-model"]),
+        (["--eagle-head", "e", "--tree", "none"], ["--eagle-head", "--tree"]),
+        (["--speculative-config", '{"model": "h", "num_speculative_tokens": 3}',
+          "--speculative-num-steps", "2", "--speculative-draft-model-path", "h"],
+         ["--speculative-num-steps", "--speculative-config"]),
+        (["--speculative-config", '{"model": "h", "num_speculative_tokens": 3, '
+          '"speculative_token_tree": "[(0,), (0, 0)]"}'],
+         ["num_speculative_tokens", "speculative_token_tree"]),
+        (["--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+          "--speculative-num-draft-tokens", "6", "--speculative-draft-model-path", "h"],
+         ["--speculative-num-draft-tokens", "--speculative-num-steps"]),
+        (["--tree", "chain:3"], ["--tree", "needs a draft"]),
+        (["--tree", "bogus:1", "--draft-model", "d"], ["--tree", "bogus"]),
+        (["--speculative-config", '{"method": "ngram"}'], ["--speculative-config", "ngram"]),
+        (["--speculative-config", "{not json"], ["--speculative-config", "JSON"]),
+        (["--speculative-algorithm", "MEDUSA"], ["--speculative-algorithm", "MEDUSA"]),
+    ],
+)  # fmt: skip
+def test_contradictory_flags_exit_2_naming_both(tmp_path, capsys, argv, named):
+    err = _fails(capsys, "--model", str(tmp_path), *argv)
+    for n in named:
+        assert n in err, err
+
+
+# --------------------------------------------------------------------------- gates
+def test_gate_warnings():
+    assert len(serve.gate_warnings(None, "chain:2")) == 4
+    assert {w.split("'")[1] for w in serve.gate_warnings(None, "none")} == {"kernels", "serve"}
+    report = {
+        "stages": [
+            {"name": "kernels", "passed": True, "measured": 1.0, "threshold": 1.0},
+            {"name": "verify", "passed": False, "measured": 0.9, "threshold": 1.0},
+            {"name": "propose", "passed": True, "measured": 1.3, "threshold": 1.0},
+        ],
+        "config": {"tree": "chain:2"},
+    }
+    w = serve.gate_warnings(report, "chain:2")
+    assert len(w) == 2
+    assert "verify" in w[0] and "FAILED" in w[0] and "0.9" in w[0]
+    assert "serve" in w[1] and "never ran" in w[1]
+    assert serve.gate_warnings(report, "none")[1:] == [w[1]]  # + the tree mismatch warning
+    w = serve.gate_warnings(report, "topk:k=2,depth=2,budget=4")
+    assert any("tree='chain:2'" in x for x in w)
+    report["stages"] += [{"name": "serve", "passed": True}]
+    report["stages"][1]["passed"] = True
+    assert serve.gate_warnings(report, "chain:2") == []
+
+
+def test_main_logs_gate_warning(tmp_path, caplog, monkeypatch):
+    bad = {"stages": [{"name": "kernels", "passed": False, "measured": 2, "threshold": 1}]}
+    (tmp_path / "gates.json").write_text(json.dumps(bad))
+    monkeypatch.setattr(
+        serve, "load_engine", lambda cfg: (_ for _ in ()).throw(RuntimeError("stop"))
+    )
+    with caplog.at_level("WARNING", logger="treespec.serve"), pytest.raises(RuntimeError):
+        serve.main(["--model", str(tmp_path), "--gates-report", str(tmp_path / "gates.json")])
+    text = caplog.text
+    assert "gate 'kernels' FAILED" in text and "gate 'serve' never ran" in text
+
+
+# --------------------------------------------------------------------------- from disk
+def test_load_engine_from_model_set_dir(tmp_path, models, tokenizer):
+    """serve.py --model DIR loads target + EAGLE head + tokenizer from a model set dir."""
+    from tree_dev.engine import SamplingParams
+    from tree_dev.models.eagle import EagleHead
+
+    target = models[0]
+    target.save_pretrained(tmp_path / "target")
+    head = EagleHead.from_target(target, seed=1)
+    head.target_path = "../target"
+    head.save_pretrained(tmp_path / "eagle")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    cfg = _cfg("--model", str(tmp_path), "--tree", "chain:2", "--max-model-len", "64")
+    engine, tok = serve.load_engine(cfg)
+    assert engine.draft_runner is not None and engine.draft_runner.eagle
+    assert engine.policy.spec == "chain:2" and engine.max_model_len == 64
+    assert tok.encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])
+    prompt = tokenizer.encode(TEXTS[0])
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    from tree_dev.engine import Engine
+
+    ref = Engine(target, tree="none", max_model_len=64)
+    assert out == ref.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
