@@ -290,3 +290,12 @@ def check_kv_compact(
                 f"request {r}: accepted nodes reach block {int(need[r]) - 1}, block_table has "
                 f"{block_table.shape[1]} columns"
             )
+        if block_table.dtype.is_floating_point:
+            raise ValueError(f"block_table must be integer, got {block_table.dtype}")
+        bt, num_blocks = block_table.detach().cpu(), k_cache.shape[-4]
+        for r in range(b):
+            used = bt[r, : int(need[r])]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+                raise ValueError(
+                    f"request {r}: block_table entries {used.tolist()} outside [0, {num_blocks})"
+                )

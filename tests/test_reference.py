@@ -810,6 +810,18 @@ ERROR_CASES = [
         compact(block_table=torch.tensor([[0], [1]]), prefix_lens=torch.tensor([6, 3])),
         "request 0: accepted nodes reach block 1, block_table has 1 columns",
     ),
+    (
+        compact(block_table=torch.tensor([[0.0, 1.0], [1.0, 0.0]])),
+        "block_table must be integer, got torch.float32",
+    ),
+    (
+        compact(block_table=torch.tensor([[0, 2], [1, 0]]), prefix_lens=torch.tensor([6, 3])),
+        r"request 0: block_table entries \[0, 2\] outside \[0, 2\)",
+    ),
+    (
+        compact(block_table=torch.tensor([[0, 1], [-1, 0]])),
+        r"request 1: block_table entries \[-1\] outside \[0, 2\)",
+    ),
     # dispatch
     (
         lambda: kernels.tree_walk(
