@@ -643,9 +643,12 @@ def test_main_logs_gate_warning(tmp_path, caplog, monkeypatch):
 
 
 # --------------------------------------------------------------------------- from disk
-def test_load_engine_from_model_set_dir(tmp_path, models, tokenizer):
-    """serve.py --model DIR loads target + EAGLE head + tokenizer from a model set dir."""
-    from tree_dev.engine import SamplingParams
+def test_serve_py_command_line_with_eagle_model_set(tmp_path, models, tokenizer):
+    """``python serve.py --model DIR`` loads target + EAGLE head + tokenizer from a model
+    set directory and serves greedy output identical to plain decoding of the target."""
+    import subprocess
+
+    from tree_dev.engine import Engine, SamplingParams
     from tree_dev.models.eagle import EagleHead
 
     target = models[0]
@@ -654,14 +657,45 @@ def test_load_engine_from_model_set_dir(tmp_path, models, tokenizer):
     head.target_path = "../target"
     head.save_pretrained(tmp_path / "eagle")
     tokenizer.save_pretrained(tmp_path / "tokenizer")
-    cfg = _cfg("--model", str(tmp_path), "--tree", "chain:2", "--max-model-len", "64")
-    engine, tok = serve.load_engine(cfg)
-    assert engine.draft_runner is not None and engine.draft_runner.eagle
-    assert engine.policy.spec == "chain:2" and engine.max_model_len == 64
-    assert tok.encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])
-    prompt = tokenizer.encode(TEXTS[0])
-    out = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
-    from tree_dev.engine import Engine
-
-    ref = Engine(target, tree="none", max_model_len=64)
-    assert out == ref.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    gates = {"stages": [{"name": "verify", "passed": False, "measured": 0, "threshold": 1}]}
+    (tmp_path / "gates.json").write_text(json.dumps(gates))
+    argv = ["--model", str(tmp_path), "--tree", "chain:2", "--max-model-len", "64"]
+    argv += ["--gates-report", str(tmp_path / "gates.json")]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "serve.py"), "--port", str(port), "--torch-threads", "1"]
+        + argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "serve.py did not start"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        info = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]
+        assert info["id"] == tmp_path.name and info["max_model_len"] == 64
+        assert info["treespec"]["tree"] == "chain:2" and info["treespec"]["drafter"] == "eagle"
+        prompt = tokenizer.encode(TEXTS[0])
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(
+            base + "/v1/completions", json={**body, "return_token_ids": True}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        ref = Engine(target, tree="none", max_model_len=64)
+        want = ref.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+        assert r.json()["choices"][0]["token_ids"] == want
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert "gate 'verify' FAILED" in out and "gate 'serve' never ran" in out, out
