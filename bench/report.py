@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -457,7 +458,7 @@ def write_plot(path: Path, rows: Sequence[Row]) -> bool:
     cases = list(dict.fromkeys((r.op, r.case) for r in timed))
     backends = list(dict.fromkeys(r.backend for r in timed))
     width = 0.8 / len(backends)
-    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cases)), 5))
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(cases)), 6))
     for j, backend in enumerate(backends):
         xs, ys = [], []
         for i, key in enumerate(cases):
@@ -469,7 +470,8 @@ def write_plot(path: Path, rows: Sequence[Row]) -> bool:
     ax.set_yscale("log")
     ax.set_ylabel("median ms per call")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-    ax.set_xticklabels([f"{op}\n{case[:28]}" for op, case in cases], fontsize=7)
+    labels = [op + "\n" + textwrap.fill(case, 26, max_lines=4) for op, case in cases]
+    ax.set_xticklabels(labels, fontsize=7)
     ax.set_title("Kernel report: time per call (this machine)")
     ax.legend()
     fig.tight_layout()
