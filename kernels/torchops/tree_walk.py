@@ -12,7 +12,8 @@ is drawn by the same inverse CDF (``reference.sample_from``).
 - ``target_only``: child c of rank r passes iff ``u_c * S < p[t_c]`` where
   ``S`` is the parent's mass minus a running sum of the earlier siblings'
   target probabilities (rejected siblings removed, unnormalised).
-- ``draft_probs``: the residual update is sequential over siblings, so this
+- ``draft_probs``: the residual update (``p`` kept when ``max(p - q, 0)`` is all
+  zero, as in the reference) is sequential over siblings, so this
   mode walks level by level (one current node per request) and loops over
   sibling rank, vectorised over requests and the vocabulary.
 
@@ -185,7 +186,7 @@ def _draft_probs(probs, tokens, tree, uniforms, draft_probs):
             rej = (live & ~ok)[:, None]
             new_p = torch.clamp(p - q, min=0.0)
             s = new_p.sum(-1, keepdim=True)
-            new_p = torch.where(s > 0, new_p / s, new_p)
+            new_p = torch.where(s > 0, new_p / s, p)  # no residual mass (p <= q): keep p
             new_q = q.scatter(1, t, 0.0)
             sq = new_q.sum(-1, keepdim=True)
             new_q = torch.where(sq > 0, new_q / sq, new_q)

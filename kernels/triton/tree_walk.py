@@ -12,7 +12,8 @@ temperature and top-p, float64) and its row sums, plus the child table
   ``tree.packed_mask``. No loops over nodes; fixed shapes.
 - ``target_only`` / ``draft_probs``: a scalar walk down the levels, trying the
   children in sibling order with the same uniforms as the reference. The
-  ``draft_probs`` residual ``p <- norm(max(p - q, 0))``, ``q <- norm(q - {t})``
+  ``draft_probs`` residual ``p <- norm(max(p - q, 0))`` (kept if all zero),
+  ``q <- norm(q - {t})``
   is updated over the vocabulary in per-request float64 scratch rows. The bonus
   token is the reference's inverse-CDF draw (count of CDF entries <= u * mass,
   clamped to the last supported token), computed over vocabulary blocks.
@@ -139,26 +140,24 @@ def _stochastic_kernel(
                         if u0 * qt < pt:
                             acc = c
                         else:
+                            # residual p <- norm(max(p - q, 0)) (kept if all zero),
+                            # q <- norm(q without t): sums first, then one update pass
                             zp = tl.zeros([BLOCK_V], tl.float64)
                             zq = tl.zeros([BLOCK_V], tl.float64)
                             for v0 in range(0, V, BLOCK_V):
                                 vm = v0 + vo < V
                                 p = tl.load(work_p_ptr + wrow + v0 + vo, mask=vm, other=0.0)
                                 q = tl.load(work_q_ptr + wrow + v0 + vo, mask=vm, other=0.0)
-                                p = tl.maximum(p - q, 0.0)
-                                q = tl.where(v0 + vo == t, 0.0, q)
-                                tl.store(work_p_ptr + wrow + v0 + vo, p, mask=vm)
-                                tl.store(work_q_ptr + wrow + v0 + vo, q, mask=vm)
-                                zp += p
-                                zq += q
+                                zp += tl.maximum(p - q, 0.0)
+                                zq += tl.where(v0 + vo == t, 0.0, q)
                             sp = tl.sum(zp, axis=0)
                             sq = tl.sum(zq, axis=0)
-                            tl.debug_barrier()
                             for v0 in range(0, V, BLOCK_V):
                                 vm = v0 + vo < V
                                 p = tl.load(work_p_ptr + wrow + v0 + vo, mask=vm, other=0.0)
                                 q = tl.load(work_q_ptr + wrow + v0 + vo, mask=vm, other=0.0)
-                                p = tl.where(sp > 0, p / sp, p)
+                                p = tl.where(sp > 0, tl.maximum(p - q, 0.0) / sp, p)
+                                q = tl.where(v0 + vo == t, 0.0, q)
                                 q = tl.where(sq > 0, q / sq, q)
                                 tl.store(work_p_ptr + wrow + v0 + vo, p, mask=vm)
                                 tl.store(work_q_ptr + wrow + v0 + vo, q, mask=vm)
