@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -23,8 +24,10 @@ from .tensor_io import (
 )
 
 
+@functools.lru_cache(maxsize=8)
 def git_revision(cwd: str | None = None) -> str | None:
-    """``git rev-parse HEAD`` of ``cwd`` (default: the working directory), or None."""
+    """``git rev-parse HEAD`` of ``cwd`` (default: the working directory), or None.
+    Cached per process."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

@@ -19,6 +19,8 @@ from accuracy import (
 )
 from accuracy.replacement import save_reference_captures
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
 V = 11
 
 

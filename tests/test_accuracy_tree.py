@@ -21,6 +21,8 @@ from accuracy import (
 from accuracy.plots import plot_tree_errors
 from accuracy.tensor_io import read
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+
 # Tree at seq_len 10:      0 (tok 50, pos 10)
 #                         /                \
 #            1 (tok 61, pos 11)      2 (tok 62, pos 11)
