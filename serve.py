@@ -45,6 +45,7 @@ GATES_REPORT = REPO / "results" / "gates.json"
 #: Tree policy when ``results/e2e.json`` has no ``best_policy`` (EAGLE-2's default shape).
 DEFAULT_TREE = "topk:k=4,depth=5,budget=32"
 GATE_STAGES = ("kernels", "verify", "propose", "serve")
+DISCONNECT_POLL_S = 0.5  # how often a handler asks whether its client is still there
 #: The chat format used when the tokenizer has no chat template (see docs/serve.md).
 PLAIN_CHAT_FORMAT = "{role}: {content}\n"
 PLAIN_CHAT_GENERATION_PROMPT = "assistant:"
@@ -870,14 +871,18 @@ class Server:
         Aborts the engine request when the client goes away (including when this
         generator is cancelled) or when a stop string matches.
         """
-        done = False
+        done, checked = False, time.monotonic()
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(job.events.get(), timeout=1.0)
+                    event = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if event is None:
                     continue
                 if event[0] == "tokens":
                     if asm.stopped:

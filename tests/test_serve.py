@@ -432,9 +432,35 @@ def test_openai_client_raises_on_4xx(srv):
 
 
 # --------------------------------------------------------------------------- disconnect
-def test_disconnecting_stream_frees_its_request(srv, tokenizer):
+def _slow_steps(monkeypatch, engine, seconds: float = 0.03) -> None:
+    """Make each engine step take a while, so a long request is surely still running."""
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
+def test_disconnecting_non_streaming_client_frees_its_request(srv, monkeypatch):
     _wait_idle(srv)
     engine = srv.engine
+    _slow_steps(monkeypatch, engine)
+    aborted = srv.app.state.metrics.requests.get("abort", 0)
+    body = {"prompt": TEXTS[1], "max_tokens": MAX_LEN - 40, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.base + "/v1/completions", json=body, timeout=0.5)
+    _wait_idle(srv, timeout=10)
+    assert srv.app.state.metrics.requests.get("abort", 0) == aborted + 1
+    assert not engine.running and not engine.requests
+    assert engine.runner.cache.free_blocks == engine.runner.cache.num_blocks
+
+
+def test_disconnecting_stream_frees_its_request(srv, monkeypatch):
+    _wait_idle(srv)
+    engine = srv.engine
+    _slow_steps(monkeypatch, engine)
     free_before = engine.runner.cache.free_blocks
     aborted = srv.app.state.metrics.requests.get("abort", 0)
     body = {
