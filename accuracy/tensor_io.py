@@ -168,10 +168,17 @@ class ForwardPassMetadata:
         for key in ("req_ids", "positions"):
             if key not in d:
                 raise ValueError(f"{where}: missing field '{key}'")
+        if not isinstance(d["req_ids"], list) or not isinstance(d["positions"], list):
+            raise ValueError(f"{where}: req_ids and positions must be lists")
+        if not all(isinstance(p, int) for p in d["positions"]):
+            raise ValueError(f"{where}: positions must be integers")
         tree = d.get("tree")
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
-        kwargs["tree"] = TreeMetadata(**tree) if tree else None
+        try:
+            kwargs["tree"] = TreeMetadata(**tree) if tree else None
+        except TypeError as e:
+            raise ValueError(f"{where}: bad tree metadata ({e})") from e
         return cls(**kwargs)
 
 

@@ -323,3 +323,45 @@ def test_three_way_report_format():
     s = print_three_way_report(results, label_expected="HF BF16", file=buf, colorize=False)
     assert buf.getvalue() == THREE_WAY
     assert s.ok
+
+
+# ----------------------------------------------------------------- decode alignment
+
+
+def _fwd(dir_name, positions, req="r", t=None):
+    from accuracy import CapturedForwardPass, ForwardPassMetadata
+
+    t = torch.zeros(len(positions), 4) if t is None else t
+    return CapturedForwardPass(dir_name, ForwardPassMetadata([req], positions), {"m": {0: t}})
+
+
+def test_align_decode_captures_keeps_ref_steps_with_matching_positions():
+    from accuracy import align_decode_captures
+
+    # HF recomputes the whole sequence each step: max position 6, 7, 8, 9 (given unsorted)
+    ref = [_fwd("prefill_s6_0", list(range(6)))] + [
+        _fwd(f"decode_b{p + 1}_0", list(range(p + 1))) for p in (8, 6, 9, 7)
+    ]
+    # the target batched differently and only has positions 7 and 9 (padded slots at 0)
+    tgt = [
+        _fwd("prefill_s8_0", list(range(6)) + [5, 5]),
+        _fwd("decode_b4_0", [7, 0, 0, 0]),
+        _fwd("decode_b4_1", [9, 0, 0, 0]),
+    ]
+    out = align_decode_captures(ref, tgt)
+    assert [f.dir_name for f in out] == ["prefill_s6_0", "decode_b8_0", "decode_b10_0"]
+
+
+def test_capture_level_shape_mismatch_recorded_or_raised():
+    from accuracy import compare_captures_two_way
+
+    ref = [_fwd("prefill_s3_0", [0, 1, 2])]
+    test = [_fwd("prefill_s3_0", [0, 1, 2], t=torch.zeros(2, 4))]
+    res = compare_captures_two_way(ref, test)
+    (r,) = res["prompt_0"][0]
+    assert not r.shape_match and r.shape1 == (3, 4) and r.shape2 == (2, 4)
+    buf = io.StringIO()
+    s = print_comparison_report(res, file=buf, colorize=False)
+    assert s.shape_mismatches == 1 and "SHAPE MISMATCH [3, 4] vs [2, 4]" in buf.getvalue()
+    with pytest.raises(ValueError, match=r"'m': shape mismatch \[3, 4\] vs \[2, 4\]"):
+        compare_captures_two_way(ref, test, strict=True)

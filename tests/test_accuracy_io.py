@@ -314,3 +314,28 @@ def test_invalid_names_tree_and_lengths(tmp_path):
         TreeMetadata(parents=[-1, 0, 1], depths=[0, 1, 1])
     with pytest.raises(ValueError, match="not a directory"):
         read(str(tmp_path / "nope"))
+
+
+def test_dp_ranks_have_their_own_directories(tmp_path):
+    net = Net()
+    x = torch.randn(2, 4)
+    for dp in (0, 1):
+        cap = ModelCapture(net, ["layers.0"], str(tmp_path), dp_rank=dp)
+        cap.enable()
+        _run(cap, net, x, is_prefill=True, req_ids=[f"r{dp}"])
+    assert sorted(os.listdir(tmp_path)) == ["dp0", "dp1", "manifest.json"]
+    fwds = read(str(tmp_path))
+    assert [(f.metadata.dp_rank, f.metadata.req_ids) for f in fwds] == [(0, ["r0"]), (1, ["r1"])]
+    assert [f.metadata.dp_rank for f in read(str(tmp_path / "dp1"))] == [1]
+
+
+def test_metadata_with_wrong_types(tmp_path):
+    fdir = _one_capture(tmp_path)
+    meta = fdir / "prefill_s3_0_meta.json"
+    d = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**d, "positions": ["a", "b"]}))
+    with pytest.raises(ValueError, match="positions must be integers"):
+        read(str(tmp_path))
+    meta.write_text(json.dumps({**d, "tree": {"parents": [-1], "colour": 1}}))
+    with pytest.raises(ValueError, match="bad tree metadata"):
+        read(str(tmp_path))
