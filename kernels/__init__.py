@@ -177,6 +177,12 @@ def tree_walk(
         checks.check_tree_walk(
             logits, tokens, tree, mode, uniforms, draft_probs, temperature, top_p
         )
+        limit = getattr(fn, "max_tree_nodes", None)
+        if limit is not None and tree.max_nodes > limit:
+            raise ValueError(
+                f"a tree has {tree.max_nodes} nodes; the {backend!r} tree_walk supports at most "
+                f"{limit}"
+            )
     return fn(
         logits,
         tokens,
