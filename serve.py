@@ -559,55 +559,64 @@ class EngineWorker:
             pass
 
     def _run(self) -> None:
-        eng = self.engine
         while not self._stop.is_set():
-            cmds = []
-            if not eng.has_work():
-                self.idle.set()
-                try:
-                    cmds.append(self._inbox.get(timeout=0.05))
-                except queue.Empty:
-                    continue
-            while True:
-                try:
-                    cmds.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for cmd, job, reason in cmds:
-                if cmd == "add":
-                    self._add(job)
-                elif job.req_id in self._jobs:
-                    eng.abort(job.req_id)
-                    self._finish(job, reason)
-            with self.metrics.lock:
-                self.metrics.running, self.metrics.waiting = len(eng.running), len(eng.waiting)
-            if not eng.has_work():
-                continue
-            self.idle.clear()
-            t0 = time.perf_counter()
             try:
-                outs = eng.step()
-            except Exception as e:  # keep serving: fail the batch, not the server
-                log.exception("engine step failed; aborting %d requests", len(self._jobs))
+                self._once()
+            except Exception as e:  # keep serving: fail the requests in flight, not the server
+                log.exception("engine step failed; failing %d requests", len(self._jobs))
                 for job in list(self._jobs.values()):
-                    eng.abort(job.req_id)
-                    self._finish(job, "abort", error=f"engine error: {e}")
-                continue
-            self.metrics.observe_step(time.perf_counter() - t0)
-            for o in outs:
-                job = self._jobs.get(o.req_id)
-                if job is None:
-                    continue
-                self._observe(job, eng.requests[o.req_id])
-                if o.new_tokens:
-                    with self.metrics.lock:
-                        self.metrics.generation_tokens += len(o.new_tokens)
-                    self._deliver(job, ("tokens", list(o.new_tokens)))
-                if o.finished:
-                    self._finish(job, o.finish_reason)
-            with self.metrics.lock:
-                self.metrics.running, self.metrics.waiting = len(eng.running), len(eng.waiting)
+                    try:
+                        self.engine.abort(job.req_id)
+                    except Exception:
+                        log.exception("abort of request %s failed", job.req_id)
+                    self._finish(job, "abort", error=f"engine error: {type(e).__name__}: {e}")
         self.idle.set()
+
+    def _once(self) -> None:
+        """Take new commands, then run one engine step if there is work."""
+        eng = self.engine
+        cmds = []
+        if not eng.has_work():
+            self.idle.set()
+            try:
+                cmds.append(self._inbox.get(timeout=0.05))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for cmd, job, reason in cmds:
+            if cmd == "add":
+                self._add(job)
+            elif job.req_id in self._jobs:
+                eng.abort(job.req_id)
+                self._finish(job, reason)
+        self._gauges()
+        if not eng.has_work():
+            return
+        self.idle.clear()
+        t0 = time.perf_counter()
+        outs = eng.step()
+        self.metrics.observe_step(time.perf_counter() - t0)
+        for o in outs:
+            job = self._jobs.get(o.req_id)
+            if job is None:
+                continue
+            self._observe(job, eng.requests[o.req_id])
+            if o.new_tokens:
+                with self.metrics.lock:
+                    self.metrics.generation_tokens += len(o.new_tokens)
+                self._deliver(job, ("tokens", list(o.new_tokens)))
+            if o.finished:
+                self._finish(job, o.finish_reason)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        with self.metrics.lock:
+            self.metrics.running = len(self.engine.running)
+            self.metrics.waiting = len(self.engine.waiting)
 
     def _add(self, job: Job) -> None:
         try:
@@ -825,6 +834,8 @@ class Server:
         top_p = 1.0 if body.top_p is None else body.top_p
         if not 0 < top_p <= 1:
             raise APIError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+        if body.seed is not None and not 0 <= body.seed < 2**63:
+            raise APIError(400, f"seed must be in [0, 2**63), got {body.seed}", param="seed")
         stop_ids = tuple(body.stop_token_ids or ())
         if any(not 0 <= t < self.vocab_size for t in stop_ids):
             raise APIError(400, "stop_token_ids outside the vocabulary", param="stop_token_ids")

@@ -384,6 +384,8 @@ BAD = [
     ("unknown model", {"model": "gpt-9", "prompt": "x", "max_tokens": 2}, 404, "model"),
     ("top_p zero", {"prompt": "x", "top_p": 0.0}, 400, "top_p"),
     ("n > 1", {"prompt": "x", "n": 2}, 400, "n"),
+    ("seed out of range", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("stream not a bool", {"prompt": "x", "stream": "yes"}, 400, "stream"),
 ]
 
 
@@ -429,6 +431,38 @@ def test_openai_client_raises_on_4xx(srv):
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_sampling_with_seed_is_reproducible(srv, tokenizer):
+    client = _client(srv)
+    kw = dict(model="tiny", prompt=TEXTS[2], max_tokens=12, temperature=1.0, top_p=0.9)
+    ids = [
+        client.completions.create(seed=s, extra_body={"return_token_ids": True}, **kw)
+        .choices[0]
+        .model_extra["token_ids"]
+        for s in (7, 7, 8)
+    ]
+    assert ids[0] == ids[1]
+    assert ids[0] != ids[2]  # 12 tokens from a near-uniform random model: a clash is ~impossible
+
+
+def test_engine_failure_fails_the_batch_not_the_server(srv, monkeypatch):
+    _wait_idle(srv)
+    engine = srv.engine
+    step = engine.step
+
+    def broken():
+        monkeypatch.setattr(engine, "step", step)  # fail once
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "step", broken)
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    _wait_idle(srv)
+    assert not engine.requests and engine.runner.cache.free_blocks == engine.runner.cache.num_blocks
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200
+    assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
 
 
 # --------------------------------------------------------------------------- disconnect
