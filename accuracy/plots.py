@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import io
 
-from .compare import ComparisonResult, ThreeWayComparisonResult
+from .compare import ThreeWayComparisonResult
+from .tensor_io import atomic_write_bytes
 
 
 def _plt():
@@ -14,6 +15,13 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: str) -> None:
+    """savefig into memory, then an atomic write of the PNG."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _metric(r) -> float:
@@ -85,8 +93,7 @@ def plot_errors(
     if len(per_step) <= 12:
         ax2.legend(fontsize=6)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -105,16 +112,6 @@ def plot_tree_errors(by_depth: dict[str, dict[int, float]], path: str, title: st
     if len(by_depth) <= 12:
         ax.legend(fontsize=6)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
     return path
-
-
-__all__ = [
-    "ComparisonResult",
-    "error_per_module",
-    "error_per_step",
-    "plot_errors",
-    "plot_tree_errors",
-]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import TextIO
@@ -37,7 +36,7 @@ def _use_colour(file: TextIO, colorize: bool | None) -> bool:
     return bool(getattr(file, "isatty", lambda: False)())
 
 
-def _sections(results, file, width):
+def _sections(results, file):
     for prompt, steps in results.items():
         print(f"\n=== {prompt} ===", file=file)
         for step, res in steps.items():
@@ -61,7 +60,7 @@ def print_comparison_report(
     print(f"TENSOR COMPARISON: {label1} vs {label2}", file=file)
     print("=" * 80, file=file)
     print(f"Threshold: L-inf > {threshold:g} highlighted in red", file=file)
-    for prompt, step, res in _sections(results, file, 80):
+    for prompt, step, res in _sections(results, file):
         print(f"{'Module':<45}{'L-inf':>13}{'L2':>13}{'Max Abs':>13}", file=file)
         print("-" * 80, file=file)
         for r in res:
@@ -105,7 +104,7 @@ def print_three_way_report(
     print(f"THREE-WAY COMPARISON: {label_expected} & {label_actual} vs {label_baseline}", file=file)
     print("=" * 90, file=file)
     print(f"Ratio = Tgt/Base error. Red if ratio >= {multiplier:g}x", file=file)
-    for prompt, step, res in _sections(results, file, 90):
+    for prompt, step, res in _sections(results, file):
         print(f"{'Module':<40}{'L-inf Ratio':>13}{'L2 Ratio':>13}{'BC':>9}", file=file)
         print("-" * 90, file=file)
         for r in res:
@@ -121,8 +120,7 @@ def print_three_way_report(
             if bad:
                 s.failures += 1
                 s.first_failure = s.first_failure or (prompt, step, r.name)
-            bc = r.bc if not math.isnan(r.bc) else float("nan")
-            line = f"{r.name:<40}{r.linf_ratio:>13.4f}{r.l2_ratio:>13.4f}{bc:>9.4f}"
+            line = f"{r.name:<40}{r.linf_ratio:>13.4f}{r.l2_ratio:>13.4f}{r.bc:>9.4f}"
             print(_colour(line, col, bad), file=file)
     extra = f", {s.missing} missing module(s)" if s.missing else ""
     print(

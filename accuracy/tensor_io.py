@@ -32,6 +32,8 @@ MANIFEST_NAME = "manifest.json"
 _FWD_DIR_RE = re.compile(r"^(prefill|decode)_([sb])(\d+)_(\d+)$")
 _RANK_FILE_RE = re.compile(r"^rank(\d+)\.(safetensors|pt)$")
 _TENSOR_KEY = "tensor"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 @dataclass
@@ -256,6 +258,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; use the usual mode
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from accuracy import CaptureWriter, compare_captures_two_way, print_comparison_report
-from accuracy.tensor_io import read
+from accuracy.plots import save_figure
+from accuracy.tensor_io import atomic_write_json, read
 
 LAYERS, PREFILL, DECODE = 16, 512, 16
 
@@ -115,7 +116,7 @@ def plot(res: dict, path: str) -> None:
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -129,8 +130,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     res = run(args.gb, args.hidden)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    atomic_write_json(args.out, res)
     plot(res, os.path.splitext(args.out)[0] + ".png")
     print(json.dumps(res, indent=1))
 

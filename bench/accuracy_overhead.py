@@ -25,6 +25,8 @@ import torch
 from tqdm import tqdm
 
 from accuracy import ModelCapture
+from accuracy.plots import save_figure
+from accuracy.tensor_io import atomic_write_json
 
 
 def build_model(layers: int = 6):
@@ -132,7 +134,7 @@ def plot(res: dict, path: str) -> None:
     ax.set_ylabel("median forward time (ms)")
     ax.set_title(f"capture overhead, {res['params'] / 1e6:.1f}M-param Llama, seq {res['seq']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -148,8 +150,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     res = run(args.reps, args.seq)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    atomic_write_json(args.out, res)
     plot(res, os.path.splitext(args.out)[0] + ".png")
     print(json.dumps({k: res[k] for k in ("params", "median_s", "ratio_vs_none")}, indent=1))
 

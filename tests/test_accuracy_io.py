@@ -70,6 +70,14 @@ def test_flatten_output_names_nested_structures():
     od = OrderedDict(logits=t, hidden=(t,))  # what HF ModelOutput is
     assert [n for n, _ in flatten_output("out", od)] == ["out.logits", "out.hidden.0"]
     assert flatten_output("x", t)[0][0] == "x"
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    mo = BaseModelOutputWithPast(last_hidden_state=t, hidden_states=(t, t))
+    assert [n for n, _ in flatten_output("model", mo)] == [
+        "model.last_hidden_state",
+        "model.hidden_states.0",
+        "model.hidden_states.1",
+    ]
 
 
 def test_roundtrip_nested_outputs_manual_and_metadata(tmp_path):
