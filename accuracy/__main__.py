@@ -1,5 +1,5 @@
-"""Command line: ``python -m accuracy compare REF TEST [--baseline DIR]`` and
-``python -m accuracy inspect DIR``.
+"""Command line: ``python -m accuracy compare REF TEST [--baseline DIR]``,
+``python -m accuracy tree DENSE TREE`` and ``python -m accuracy inspect DIR``.
 
 ``compare`` prints the designed two-way report (REF vs TEST) or, with
 ``--baseline``, the three-way report (REF = expected, e.g. HF BF16; TEST = actual;
@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--label-test", default="Test")
     c.add_argument("--plot", default=None, help="write a PNG of errors per module and step")
     c.add_argument("--color", action=argparse.BooleanOptionalAction, default=None)
+    t = sub.add_parser("tree", help="compare tree verification passes with dense decoding")
+    t.add_argument("dense", help="capture dir of dense autoregressive decoding (token_ids saved)")
+    t.add_argument("tree", help="capture dir holding passes saved with tree metadata")
+    t.add_argument("--accepted", default=None, help="accepted node ids, e.g. 0,1,3")
+    t.add_argument("--threshold", type=float, default=0.01)
+    t.add_argument("--plot", default=None, help="write a PNG of error per tree depth")
     i = sub.add_parser("inspect", help="list steps, modules, shapes and dtypes of a capture dir")
     i.add_argument("dir")
     return p
@@ -60,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
             inspect_dir(args.dir)
             return 0
+        if args.cmd == "tree":
+            return _tree(args)
         ref, test = read(args.ref), read(args.test)
         rfn = RECONSTRUCTIONS[args.ref_reconstruction]
         tfn = RECONSTRUCTIONS[args.test_reconstruction]
@@ -103,6 +111,24 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"plot: {plot_errors(results, args.plot, threshold)}")
     return 0 if summary.ok else 1
+
+
+def _tree(args) -> int:
+    from .plots import plot_tree_errors
+    from .tree_compare import compare_tree_with_dense, errors_by_depth, print_tree_report
+
+    dense = read(args.dense)
+    passes = [f for f in read(args.tree) if f.metadata.tree is not None]
+    if not passes:
+        raise ValueError(f"{args.tree}: no pass carries tree metadata")
+    accepted = [int(x) for x in args.accepted.split(",")] if args.accepted else None
+    rows = []
+    for fwd in passes:
+        rows += compare_tree_with_dense(fwd, dense, accepted_nodes=accepted)
+    bad = print_tree_report(rows, args.threshold)
+    if args.plot:
+        print(f"plot: {plot_tree_errors(errors_by_depth(rows), args.plot)}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -173,3 +173,20 @@ def test_tiny_llama_tree_nodes_match_dense_decoding_on_their_paths(tmp_path):
     wrong = TreeNodePair(0, 2, 1, 11, 2, p1.dense_index, p1.dense_slot)
     off = compare_tree_with_dense(tree, dense, pairs=[wrong])
     assert min(r.result.linf_rel for r in off) > 1e-2
+
+
+def test_cli_tree_command(tmp_path, capsys):
+    from accuracy.__main__ import main
+
+    _write(tmp_path / "ok", True)
+    args = ["tree", str(tmp_path / "ok" / "dense"), str(tmp_path / "ok" / "tree")]
+    assert main(args + ["--plot", str(tmp_path / "d.png")]) == 0
+    out = capsys.readouterr().out
+    assert "layer/node3" in out and "layer/node2" not in out
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    _write(tmp_path / "bad", True, corrupt_node=3)
+    bad = ["tree", str(tmp_path / "bad" / "dense"), str(tmp_path / "bad" / "tree")]
+    assert main(bad + ["--accepted", "0,1,3"]) == 1
+    assert "SUMMARY: 1 deviation(s)" in capsys.readouterr().out
+    assert main(["tree", str(tmp_path / "ok" / "dense"), str(tmp_path / "ok" / "dense")]) == 2
+    assert "no pass carries tree metadata" in capsys.readouterr().err
