@@ -122,13 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_best_policy(path: Path = E2E_REPORT) -> tuple[str, str]:
+def read_best_policy(path: Path | None = None) -> tuple[str, str]:
     """``(tree spec, where it came from)``: ``best_policy`` of the e2e report, else the default.
 
-    ``best_policy`` may be a spec string or an object with a ``tree`` (or ``spec``) key.
+    ``best_policy`` may be a spec string or an object with a ``tree`` (or ``spec``) key
+    and optionally ``drafter`` (``"eagle"`` or ``"draft"``, see ``read_best_drafter``).
     """
     from tree_dev.spec import parse_tree_spec
 
+    path = E2E_REPORT if path is None else path
     try:
         best = json.loads(Path(path).read_text())["best_policy"]
         spec = best if isinstance(best, str) else best.get("tree") or best.get("spec")
@@ -139,6 +141,16 @@ def read_best_policy(path: Path = E2E_REPORT) -> tuple[str, str]:
     except (KeyError, TypeError, AttributeError, ValueError, json.JSONDecodeError) as e:
         log.warning("ignoring best_policy of %s (%s); using %s", path, e, DEFAULT_TREE)
         return DEFAULT_TREE, f"default ({path} has no valid best_policy)"
+
+
+def read_best_drafter(path: Path | None = None) -> str | None:
+    """``"eagle"`` or ``"draft"`` when ``best_policy`` is an object naming its ``drafter``."""
+    try:
+        best = json.loads(Path(E2E_REPORT if path is None else path).read_text())["best_policy"]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+        return None
+    kind = best.get("drafter") if isinstance(best, dict) else None
+    return kind if kind in ("eagle", "draft") else None
 
 
 class _FlagError(Exception):
@@ -320,7 +332,10 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         if tokenizer is None:
             tokenizer = model / "tokenizer"
         if drafter is None and tree != "none":
-            use_draft = (model / "draft").is_dir() and not (model / "eagle").is_dir()
+            has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
+            use_draft = has_draft and (
+                not has_eagle or (tree is None and read_best_drafter() == "draft")
+            )
             drafter = ("draft", model / "draft") if use_draft else ("eagle", model / "eagle")
         model = model / "target"
     if tree is None:
@@ -871,7 +886,11 @@ class Server:
         loop = asyncio.get_running_loop()
         job = Job(ids, params, loop, asyncio.Queue())
         self.worker.submit(job)
-        event = await job.events.get()
+        try:
+            event = await job.events.get()
+        except asyncio.CancelledError:  # the client left before admission
+            self.worker.abort(job)
+            raise
         if event[0] == "error":
             raise APIError(400, event[1], param="prompt")
         return job

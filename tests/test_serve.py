@@ -566,6 +566,20 @@ def test_flags_model_set_default(tmp_path):
     assert c.tree == serve.read_best_policy()[0] and c.tokenizer.name == "tokenizer"
 
 
+def test_model_set_follows_best_policy(tmp_path, monkeypatch):
+    for sub in ("target", "eagle", "draft", "tokenizer"):
+        (tmp_path / sub).mkdir()
+    report = tmp_path / "e2e.json"
+    monkeypatch.setattr(serve, "E2E_REPORT", report)
+    report.write_text(json.dumps({"best_policy": {"tree": "chain:3", "drafter": "draft"}}))
+    c = _cfg("--model", str(tmp_path))
+    assert (c.tree, c.drafter, c.drafter_path) == ("chain:3", "draft", tmp_path / "draft")
+    assert c.tree_source == f"best_policy of {report}"
+    report.write_text(json.dumps({"best_policy": "topk:k=2,depth=2,budget=3"}))
+    c = _cfg("--model", str(tmp_path))
+    assert (c.tree, c.drafter) == ("topk:k=2,depth=2,budget=3", "eagle")
+
+
 def test_best_policy_file(tmp_path):
     p = tmp_path / "e2e.json"
     assert serve.read_best_policy(p)[0] == serve.DEFAULT_TREE
@@ -573,6 +587,9 @@ def test_best_policy_file(tmp_path):
     assert serve.read_best_policy(p)[0] == "chain:2"
     p.write_text(json.dumps({"best_policy": {"tree": "topk:k=2,depth=2,budget=4", "tau": 2.0}}))
     assert serve.read_best_policy(p)[0] == "topk:k=2,depth=2,budget=4"
+    assert serve.read_best_drafter(p) is None
+    p.write_text(json.dumps({"best_policy": {"tree": "chain:3", "drafter": "draft"}}))
+    assert serve.read_best_policy(p)[0] == "chain:3" and serve.read_best_drafter(p) == "draft"
     p.write_text(json.dumps({"best_policy": "bogus:1"}))
     assert serve.read_best_policy(p)[0] == serve.DEFAULT_TREE
 
