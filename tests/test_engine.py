@@ -1,0 +1,228 @@
+"""The local tree spec-decode engine: lossless greedy and sampling, batching, bad input.
+
+Tiny random Llama models keep this fast. The draft is the target with perturbed
+weights, so it agrees with the target often but not always: accepted paths of
+every length, rejections and bonus tokens all occur.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tree_dev.engine import Engine, SamplingParams
+
+VOCAB = 64
+POLICIES = [
+    "none",
+    "chain:4",
+    "paths:[(0,),(1,),(0,0),(0,1),(1,0),(0,0,0)]",
+    "medusa:mc_sim_7b_63",
+    "topk:k=3,depth=4,budget=12",
+]
+
+
+def tiny_llama(seed: int, layers: int = 2, hidden: int = 64, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of ``model`` with Gaussian noise on every weight: a correlated draft."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
+    return other
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # else HF masks every token equal to pad_token_id
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    reference = tiny_llama(0)  # same weights, untouched attention implementation
+    draft = perturbed(tiny_llama(0), 0.3, seed=1)
+    return target, reference, draft
+
+
+@pytest.fixture(scope="module")
+def prompts_and_greedy(models):
+    _, reference, _ = models
+    gen = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
+        for n in torch.randint(1, 40, (50,), generator=gen)
+    ]
+    return prompts, [hf_greedy(reference, p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_greedy_is_lossless_on_50_prompts(models, prompts_and_greedy, spec):
+    target, _, draft = models
+    prompts, want = prompts_and_greedy
+    engine = Engine(target, None if spec == "none" else draft, tree=spec, max_batch=16)
+    got = engine.generate(prompts, SamplingParams(max_tokens=12))
+    mismatches = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not mismatches, f"{spec}: prompts {mismatches[:5]} differ from the target's greedy"
+    if spec != "none":
+        accepted = sum(r.accepted_drafts for r in engine.requests.values())
+        assert accepted > 0, "the draft never got a token accepted: the test proves nothing"
+    # every block is back in the free list once all requests have finished
+    assert engine.runner.cache.free_blocks == engine.runner.cache.num_blocks
+    if engine.draft_runner is not None:
+        assert engine.draft_runner.cache.free_blocks == engine.draft_runner.cache.num_blocks
+
+
+def test_accepts_long_paths_when_draft_equals_target(models, prompts_and_greedy):
+    target, reference, _ = models
+    prompts, want = prompts_and_greedy
+    engine = Engine(target, copy.deepcopy(reference), tree="chain:4", max_batch=4)
+    got = engine.generate(prompts[:8], SamplingParams(max_tokens=12))
+    assert got == want[:8]
+    for rid in range(8):
+        st = engine.requests[rid].stats()
+        # an identical draft is always right: 4 drafts + 1 bonus per step (bar the last step)
+        assert st["acceptance_per_depth"][0] == 1.0
+        assert st["mean_accepted_length"] >= 4.0 - 1e-9 or st["steps"] <= 3
+
+
+def test_eagle_head_is_lossless():
+    from tree_dev.models.eagle import EagleHead
+
+    target, reference = tiny_llama(3), tiny_llama(3)
+    eagle = EagleHead.from_target(target).eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1, 2, 9, 30)]
+    want = [hf_greedy(reference, p, 10) for p in prompts]
+    for spec in ("chain:3", "topk:k=2,depth=3,budget=6"):
+        engine = Engine(target, eagle=eagle, tree=spec, max_batch=3)
+        assert engine.generate(prompts, SamplingParams(max_tokens=10)) == want, spec
+
+
+def test_max_tokens_stop_tokens_and_length_limits(models):
+    target, reference, draft = models
+    prompt = [1, 2, 3, 4]
+    full = hf_greedy(reference, prompt, 10)
+    engine = Engine(target, draft, tree="chain:4", max_batch=2, max_model_len=64)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=3))
+    stop_at = full[5]
+    first = full.index(stop_at)
+    rid2 = engine.add_request(prompt, SamplingParams(max_tokens=10, stop_token_ids=(stop_at,)))
+    while engine.has_work():
+        engine.step()
+    assert engine.requests[rid].output == full[:3]
+    assert engine.requests[rid].finish_reason == "length"
+    assert engine.requests[rid2].output == full[: first + 1]
+    assert engine.requests[rid2].finish_reason == "stop"
+    short = Engine(target, draft, tree="chain:4", max_model_len=8)
+    out = short.generate([prompt], SamplingParams(max_tokens=50))[0]
+    assert len(prompt) + len(out) == 8 and out == full[:4]
+
+
+def test_abort_frees_blocks(models):
+    target, _, draft = models
+    engine = Engine(target, draft, tree="chain:2", max_batch=2)
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=30))
+    b = engine.add_request([4, 5], SamplingParams(max_tokens=4))
+    engine.step()
+    engine.abort(a)
+    assert engine.requests[a].finish_reason == "abort"
+    while engine.has_work():
+        engine.step()
+    assert engine.requests[b].finished and len(engine.requests[b].output) == 4
+    assert engine.runner.cache.free_blocks == engine.runner.cache.num_blocks
+
+
+def _first_token_counts(engine: Engine, prompt: list[int], draws: int) -> torch.Tensor:
+    counts = torch.zeros(engine.vocab_size)
+    ids = [
+        engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=s))
+        for s in range(draws)
+    ]
+    while engine.has_work():
+        engine.step()
+    for i in ids:
+        counts[engine.requests[i].output[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "topk:k=3,depth=2,budget=6"])
+def test_sampling_first_token_matches_target_distribution(spec):
+    vocab = 12
+    target = tiny_llama(11, vocab=vocab)
+    draft = perturbed(target, 0.5, seed=2)
+    prompt = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    engine = Engine(target, draft, tree=spec, max_batch=128)
+    draws = 3000
+    counts = _first_token_counts(engine, prompt, draws)
+    accepted = sum(r.accepted_drafts for r in engine.requests.values())
+    assert accepted > draws // 10, "drafts were rarely accepted: the test would prove little"
+    expected = (p * draws).numpy()
+    keep = expected >= 5  # chi-square validity: pool the rare tokens
+    obs = list(counts.numpy()[keep]) + [float(counts.numpy()[~keep].sum())]
+    exp = list(expected[keep]) + [float(expected[~keep].sum())]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_seeded_sampling_is_reproducible(models):
+    target, _, draft = models
+    outs = []
+    for _ in range(2):
+        engine = Engine(target, draft, tree="topk:k=2,depth=3,budget=6")
+        outs.append(
+            engine.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0.8, seed=42))
+        )
+    assert outs[0] == outs[1]
+
+
+def test_bad_input_fails_before_any_work(models):
+    target, _, draft = models
+    with pytest.raises(ValueError, match="unknown tree spec"):
+        Engine(target, draft, tree="bushy:7")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(target, tree="chain:3")
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(target, tiny_llama(0, vocab=VOCAB + 1), tree="chain:3")
+    with pytest.raises(ValueError, match="supports at most 256"):
+        Engine(target, draft, tree="topk:k=4,depth=5,budget=300", kernel_backend="triton")
+    engine = Engine(target, draft, tree="chain:3", max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len is 16"):
+        engine.add_request(list(range(16)))
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([VOCAB])
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1], SamplingParams(max_tokens=0))
+    assert not engine.has_work()
