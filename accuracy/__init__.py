@@ -26,6 +26,7 @@ from .compare import (
 )
 from .logit_validation import LogitValidationResult, TokenValidation, logit_validation
 from .patterns import expand_patterns, match_modules
+from .plugin import TensorComparePlugin
 from .registry import TensorRegistry, capture_tensor
 from .replacement import (
     TensorReplacementConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "LogitValidationResult",
     "ModelCapture",
     "TensorCaptureConfig",
+    "TensorComparePlugin",
     "TensorRegistry",
     "TensorReplacementConfig",
     "TensorReplacer",

@@ -146,3 +146,31 @@ def test_cli_inspect_as_module(caps):
     assert insp.returncode == 0, insp.stderr
     assert "decode_b1_2" in insp.stdout and "[1, 1, 64]" in insp.stdout
     assert "bfloat16" in insp.stdout and "model.layers.1.mlp" in insp.stdout
+
+
+def test_compare_plugin_with_custom_reconstruction(caps):
+    """A model-specific reconstruction (here: undo a hidden-dim shuffle) plugged in once."""
+    d, _ = caps
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    shuffled = []
+    for f in read(str(d / "impl_ok")):
+        f.tensors = {m: {r: t[..., perm] for r, t in rk.items()} for m, rk in f.tensors.items()}
+        shuffled.append(f)
+    inv = torch.argsort(perm)
+
+    def unshuffle(rank_tensors, module_name, phase, positions):
+        return A.llama_reconstruct(rank_tensors, module_name, phase, positions)[..., inv]
+
+    quiet = io.StringIO()
+    plain = A.TensorComparePlugin(
+        A.llama_reconstruct, A.hf_reference_reconstruction, threshold=0.05
+    )
+    _, s = plain.compare(str(d / "hf_bf16"), shuffled, file=quiet)
+    assert not s.ok  # shuffled hidden dim: everything deviates
+    plugin = A.TensorComparePlugin(unshuffle, A.hf_reference_reconstruction, threshold=0.05)
+    _, s = plugin.compare(str(d / "hf_bf16"), shuffled, file=quiet)
+    assert s.ok
+    cfg = A.DynamicThresholdConfig(3.0, 3.0)
+    plugin3 = A.TensorComparePlugin(unshuffle, A.hf_reference_reconstruction, config=cfg)
+    _, s = plugin3.compare(str(d / "hf_bf16"), shuffled, baseline=str(d / "hf_fp32"), file=quiet)
+    assert s.ok
