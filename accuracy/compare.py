@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -241,17 +242,17 @@ def _module_list(sides: list[CapturedForwardPass], module_order: list[str] | Non
 
 def _pair_steps(
     groups: list[list[CapturedForwardPass]], phase: str | None
-) -> list[tuple[CapturedForwardPass, ...]]:
+) -> list[tuple[CapturedForwardPass | None, ...]]:
     """Pair the passes of one prompt across sides: prefills by order, decodes by
     ``max(positions)`` when every first-side decode position exists on the others,
-    else by order."""
+    else by order. A side without a counterpart is ``None`` in the tuple."""
     if phase is not None and phase not in ("prefill", "decode"):
         raise ValueError(f"phase must be 'prefill', 'decode' or None, got {phase!r}")
     pre = [[f for f in g if f.is_prefill] for g in groups]
     dec = [[f for f in g if not f.is_prefill] for g in groups]
     pairs: list[tuple] = []
     if phase in (None, "prefill"):
-        pairs.extend(zip(*pre, strict=False))
+        pairs.extend(itertools.zip_longest(*pre))
     if phase in (None, "decode"):
         maps = [{max(f.metadata.positions, default=-1): f for f in reversed(d)} for d in dec]
         keys = [max(f.metadata.positions, default=-1) for f in dec[0]]
@@ -260,11 +261,20 @@ def _pair_steps(
             and len(set(keys)) == len(keys)
             and all(all(k in m for k in keys) for m in maps[1:])
         ):
-            for f, k in zip(dec[0], keys, strict=False):
+            for f, k in zip(dec[0], keys, strict=True):
                 pairs.append(tuple([f] + [m[k] for m in maps[1:]]))
         else:
-            pairs.extend(zip(*dec, strict=False))
+            pairs.extend(itertools.zip_longest(*dec))
     return pairs
+
+
+_SIDES2 = ("ref", "test")
+_SIDES3 = ("baseline", "expected", "actual")
+
+
+def _unpaired_name(fwds: tuple) -> str:
+    f = next(x for x in fwds if x is not None)
+    return f"(step {f.dir_name})"
 
 
 def _split_tokens(name: str, tensors: list[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
@@ -301,6 +311,12 @@ def compare_captures_two_way(
         out[prompt] = {}
         tfwds = tg[pi] if pi < len(tg) else []
         for step, (rf, tf) in enumerate(_pair_steps([rfwds, tfwds], phase)):
+            if rf is None or tf is None:
+                side = _SIDES2[(rf, tf).index(None)]
+                out[prompt][step] = [
+                    ComparisonResult(_unpaired_name((rf, tf)), shape_match=False, missing=side)
+                ]
+                continue
             res: list[ComparisonResult] = []
             for m in _module_list([rf, tf], module_order):
                 rn, tn = _resolve(rf, m), _resolve(tf, m)
@@ -359,6 +375,14 @@ def compare_captures_three_way(
         efwds = eg[pi] if pi < len(eg) else []
         afwds = ag[pi] if pi < len(ag) else []
         for step, (bf, ef, af) in enumerate(_pair_steps([bfwds, efwds, afwds], phase)):
+            if None in (bf, ef, af):
+                side = _SIDES3[(bf, ef, af).index(None)]
+                out[prompt][step] = [
+                    ThreeWayComparisonResult(
+                        _unpaired_name((bf, ef, af)), shape_match=False, missing=side
+                    )
+                ]
+                continue
             res: list[ThreeWayComparisonResult] = []
             for m in _module_list([bf, ef, af], module_order):
                 names = [_resolve(f, m) for f in (bf, ef, af)]

@@ -79,7 +79,7 @@ def print_comparison_report(
                 s.first_failure = s.first_failure or (prompt, step, r.name)
             line = f"{r.name:<45}{r.linf_rel:>13.2e}{r.l2_rel:>13.2e}{r.max_abs:>13.2e}"
             print(_colour(line, col, bad), file=file)
-    extra = f", {s.missing} missing module(s)" if s.missing else ""
+    extra = f", {s.missing} missing module(s)/step(s)" if s.missing else ""
     print(
         f"SUMMARY: {s.failures} deviation(s) > {threshold:g}, "
         f"{s.shape_mismatches} shape mismatch(es){extra}",
@@ -122,7 +122,7 @@ def print_three_way_report(
                 s.first_failure = s.first_failure or (prompt, step, r.name)
             line = f"{r.name:<40}{r.linf_ratio:>13.4f}{r.l2_ratio:>13.4f}{r.bc:>9.4f}"
             print(_colour(line, col, bad), file=file)
-    extra = f", {s.missing} missing module(s)" if s.missing else ""
+    extra = f", {s.missing} missing module(s)/step(s)" if s.missing else ""
     print(
         f"SUMMARY: {s.failures} failure(s) (ratio >= {multiplier:g}x), "
         f"{s.shape_mismatches} shape mismatch(es){extra}",

@@ -365,3 +365,19 @@ def test_capture_level_shape_mismatch_recorded_or_raised():
     assert s.shape_mismatches == 1 and "SHAPE MISMATCH [3, 4] vs [2, 4]" in buf.getvalue()
     with pytest.raises(ValueError, match=r"'m': shape mismatch \[3, 4\] vs \[2, 4\]"):
         compare_captures_two_way(ref, test, strict=True)
+
+
+def test_unpaired_steps_and_prompts_are_reported_missing():
+    from accuracy import compare_captures_three_way, compare_captures_two_way
+
+    ref = [_fwd("prefill_s3_0", [0, 1, 2]), _fwd("decode_b1_0", [3]), _fwd("decode_b1_1", [4])]
+    ref += [_fwd("prefill_s2_0", [0, 1], req="other")]
+    test = [_fwd("prefill_s3_0", [0, 1, 2]), _fwd("decode_b1_0", [3])]
+    res = compare_captures_two_way(ref, test)
+    assert res["prompt_0"][2][0].missing == "test" and "decode_b1_1" in res["prompt_0"][2][0].name
+    assert res["prompt_1"][0][0].missing == "test"
+    buf = io.StringIO()
+    s = print_comparison_report(res, file=buf, colorize=False)
+    assert s.missing == 2 and not s.ok and "2 missing module(s)/step(s)" in buf.getvalue()
+    three = compare_captures_three_way(ref, ref, test)
+    assert three["prompt_0"][2][0].missing == "actual"
