@@ -121,7 +121,9 @@ class ModelCapture:
         )
 
     def setup_tensor_capture(self) -> None:
-        """Make this registry the global one for inline ``capture_tensor`` calls."""
+        """Start a forward: clear the registry and make it the global one for inline
+        ``capture_tensor`` calls (the previous one is restored by ``save_tensor_captures``)."""
+        self._registry.clear()
         self._prev_instance = TensorRegistry._instance
         TensorRegistry._instance = self._registry
 

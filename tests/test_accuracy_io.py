@@ -347,3 +347,21 @@ def test_metadata_with_wrong_types(tmp_path):
     meta.write_text(json.dumps({**d, "tree": {"parents": [-1], "colour": 1}}))
     with pytest.raises(ValueError, match="bad tree metadata"):
         read(str(tmp_path))
+
+
+def test_setup_starts_a_fresh_forward_without_clear_hook(tmp_path):
+    net = Net()
+    cap = ModelCapture(net, ["layers.1"], str(tmp_path))
+    cap.enable()
+    xs = [torch.randn(2, 4), torch.randn(2, 4)]
+    for x in xs:
+        cap.setup_tensor_capture()
+        with torch.no_grad():
+            net(x)
+        cap.save_tensor_captures([0, 1], True, ["r"])
+    fwds = read(str(tmp_path))
+    assert [len(f.tensors) for f in fwds] == [5, 5]  # 3 from layers.1, 2 inline
+    with torch.no_grad():
+        h = net.layers[0](xs[1]).last
+        torch.testing.assert_close(fwds[1].tensors["layers.1.last"][0], net.layers[1](h).last)
+    TensorRegistry.reset_instance()
