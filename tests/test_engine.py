@@ -173,15 +173,22 @@ def _first_token_counts(engine: Engine, prompt: list[int], draws: int) -> torch.
     return counts
 
 
-@pytest.mark.parametrize("spec", ["chain:3", "topk:k=3,depth=2,budget=6"])
-def test_sampling_first_token_matches_target_distribution(spec):
+@pytest.mark.parametrize(
+    "spec,draft_sampling",
+    [
+        ("chain:3", False),  # target_only verification of top-ranked drafts
+        ("topk:k=3,depth=2,budget=6", False),
+        ("paths:[(0,),(1,),(2,),(0,0),(1,0)]", True),  # draft_probs: sampled children
+    ],
+)
+def test_sampling_first_token_matches_target_distribution(spec, draft_sampling):
     vocab = 12
     target = tiny_llama(11, vocab=vocab)
     draft = perturbed(target, 0.5, seed=2)
     prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
         p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
-    engine = Engine(target, draft, tree=spec, max_batch=128)
+    engine = Engine(target, draft, tree=spec, max_batch=128, draft_sampling=draft_sampling)
     draws = 3000
     counts = _first_token_counts(engine, prompt, draws)
     accepted = sum(r.accepted_drafts for r in engine.requests.values())
@@ -210,6 +217,8 @@ def test_bad_input_fails_before_any_work(models):
     target, _, draft = models
     with pytest.raises(ValueError, match="unknown tree spec"):
         Engine(target, draft, tree="bushy:7")
+    with pytest.raises(ValueError, match="draft_sampling needs a static tree"):
+        Engine(target, draft, tree="topk:k=2,depth=2,budget=4", draft_sampling=True)
     with pytest.raises(ValueError, match="needs a draft model"):
         Engine(target, tree="chain:3")
     with pytest.raises(ValueError, match="vocabulary"):

@@ -95,9 +95,13 @@ class Request:
     def root(self) -> int:
         return (self.prompt + self.output)[-1]
 
+    sampled_drafts: bool = False  # children drawn without replacement from the draft
+
     @property
     def mode(self) -> str:
-        return "greedy" if self.params.temperature == 0 else "target_only"
+        if self.params.temperature == 0:
+            return "greedy"
+        return "draft_probs" if self.sampled_drafts else "target_only"
 
     def stats(self) -> dict:
         """Speculative-decoding statistics of this request so far."""
@@ -274,6 +278,10 @@ class Engine:
         kernel_backend: backend for ``kernels.*`` (``"auto"`` picks per device).
         block_size: KV cache block size.
         eos_token_id: stops requests unless ``ignore_eos``; defaults to the target config's.
+        draft_sampling: for sampled requests (temperature > 0) draw each node's
+            children without replacement from the draft distribution (Gumbel
+            top-k) and verify with ``draft_probs``; static trees only. Default:
+            deterministic top-ranked children verified with ``target_only``.
     """
 
     def __init__(
@@ -287,8 +295,15 @@ class Engine:
         kernel_backend: str = "auto",
         block_size: int = 16,
         eos_token_id: int | None = None,
+        draft_sampling: bool = False,
     ):
         self.policy: Policy = parse_tree_spec(tree)
+        if draft_sampling and not isinstance(self.policy, StaticPolicy):
+            raise ValueError(
+                f"draft_sampling needs a static tree (chain/paths/medusa), not {tree!r}: pruning "
+                "a sampled dynamic tree would bias the accepted tokens"
+            )
+        self.draft_sampling = draft_sampling
         if isinstance(target, (str, Path)):
             target = load_causal_lm(target)
         if isinstance(draft, (str, Path)):
@@ -374,6 +389,7 @@ class Engine:
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
         req = Request(self._next_id, list(prompt), params, gen)
+        req.sampled_drafts = self.draft_sampling and params.temperature > 0
         self._next_id += 1
         self.requests[req.req_id] = req
         self.waiting.append(req)
@@ -522,7 +538,7 @@ class Engine:
         acc_len = torch.zeros(len(batch), dtype=torch.int64)
         acc_nodes = torch.zeros(len(batch), width, dtype=torch.int64)
         out_tokens = torch.full((len(batch), width), -1, dtype=torch.int64)
-        for mode in ("greedy", "target_only"):
+        for mode in ("greedy", "target_only", "draft_probs"):
             idx = [i for i, r in enumerate(batch) if r.mode == mode]
             if not idx:
                 continue
@@ -536,6 +552,15 @@ class Engine:
                     temperature=torch.tensor([batch[i].params.temperature for i in idx]),
                     top_p=torch.tensor([batch[i].params.top_p for i in idx]),
                 )
+            if mode == "draft_probs":
+                kw["draft_probs"] = torch.cat(
+                    [
+                        proposals[i].draft_probs
+                        if proposals[i].draft_probs is not None
+                        else torch.zeros(sizes[i], self.vocab_size)  # no children: rows unused
+                        for i in idx
+                    ]
+                ).to(logits.device)
             res = kernels.tree_walk(
                 torch.cat([logit_rows[i] for i in idx]).float(),
                 torch.tensor([t for i in idx for t in proposals[i].tokens], device=logits.device),
@@ -625,6 +650,7 @@ class _TreeGrower:
         if isinstance(policy, StaticPolicy):
             self.tree = policy.tree
             self.node_cand = {0: -1}  # static tree node -> candidate index
+        self.q_rows: dict[int, torch.Tensor] = {}  # candidate (-1: root) -> draft distribution
 
     def ready_to_forward(self) -> bool:
         return bool(self._to_forward)
@@ -692,7 +718,17 @@ class _TreeGrower:
                 c = ns[c]
             kids_per.append(kids)
         width = max(len(k) for k in kids_per)
-        top_lp, top_tok = logprobs.topk(max(width, 1), dim=-1)
+        width = max(width, 1)
+        if self.req.sampled_drafts:
+            # Gumbel top-k: children are a without-replacement sample from q, in draw order
+            q_log = torch.log_softmax(logprobs / self.req.params.temperature, dim=-1)
+            u = torch.rand(q_log.shape, generator=self.req.generator).clamp_(1e-20, 1.0)
+            _, top_tok = (q_log - torch.log(-torch.log(u))).topk(width, dim=-1)
+            top_lp = torch.gather(logprobs, -1, top_tok)
+            for n, ql in zip(nodes, q_log):
+                self.q_rows[self.fwd_cand[n]] = ql.exp()
+        else:
+            top_lp, top_tok = logprobs.topk(width, dim=-1)
         nxt = []
         for n, kids, lps, toks in zip(nodes, kids_per, top_lp.tolist(), top_tok.tolist()):
             parent_cand = self.fwd_cand[n]
@@ -709,9 +745,9 @@ class _TreeGrower:
         if isinstance(self.policy, TopKPolicy):
             ranked = sorted(range(len(self.cands)), key=lambda c: (-self.cands[c][2], c))
             keep = ranked[: self.policy.budget]
-        else:
-            keep = list(range(len(self.cands)))
-        order = sorted(keep, key=lambda c: (self.cands[c][3], -self.cands[c][2], c))
+            order = sorted(keep, key=lambda c: (self.cands[c][3], -self.cands[c][2], c))
+        else:  # static: breadth-first in creation order = sibling rank / draw order
+            order = sorted(range(len(self.cands)), key=lambda c: (self.cands[c][3], c))
         index = {-1: 0}
         parents, tokens = [-1], [self.req.root]
         for c in order:
@@ -719,4 +755,11 @@ class _TreeGrower:
             index[c] = len(parents)
             parents.append(index[parent_cand])
             tokens.append(tok)
-        return Proposal(TokenTree(parents), tokens)
+        q = None
+        if self.req.sampled_drafts and self.q_rows:
+            some = next(iter(self.q_rows.values()))
+            q = torch.zeros(len(parents), some.shape[0], dtype=some.dtype)
+            for c, row in self.q_rows.items():
+                if c in index:
+                    q[index[c]] = row
+        return Proposal(TokenTree(parents), tokens, q)
