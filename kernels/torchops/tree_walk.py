@@ -29,7 +29,14 @@ import torch
 
 from kernels.reference import WalkResult, target_probs
 
-__all__ = ["child_table", "level_fanout", "sample_inverse_cdf", "tree_walk"]
+__all__ = [
+    "child_table",
+    "greedy_from_argmax",
+    "level_fanout",
+    "sample_inverse_cdf",
+    "tree_walk",
+    "walk_from_probs",
+]
 
 
 def level_fanout(tree: Any) -> list[int]:
@@ -121,8 +128,8 @@ def _propagate(passes: torch.Tensor, tree: Any) -> torch.Tensor:
     return on
 
 
-def _greedy(logits, tokens, tree):
-    amax = torch.argmax(logits, dim=-1)
+def greedy_from_argmax(amax: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
+    """Greedy walk from the target's argmax per node ``int64[T]`` (the vocabulary part done)."""
     gparent = tree.parents.clamp(min=0) + tree.cu_nodes[tree.request_ids]
     passes = tokens.to(torch.int64) == amax[gparent]
     acc_len, nodes, toks, stop = _path_outputs(
@@ -230,8 +237,20 @@ def tree_walk(
         ``WalkResult`` of int64 ``[B]``, ``[B, D+1]``, ``[B, D+1]``, -1 padded.
     """
     if mode == "greedy":
-        return _greedy(logits, tokens, tree)
+        return greedy_from_argmax(torch.argmax(logits, dim=-1), tokens, tree)
     probs = target_probs(logits, tree.request_ids, temperature, top_p)
+    return walk_from_probs(probs, tokens, tree, mode, uniforms, draft_probs)
+
+
+def walk_from_probs(
+    probs: torch.Tensor,
+    tokens: torch.Tensor,
+    tree: Any,
+    mode: str,
+    uniforms: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+) -> WalkResult:
+    """Stochastic walk from ``probs = reference.target_probs(...)`` (float64 ``[T, V]``)."""
     if mode == "target_only":
         return _target_only(probs, tokens, tree, uniforms)
     if mode == "draft_probs":

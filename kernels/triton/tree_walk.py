@@ -30,7 +30,7 @@ import triton.language as tl
 from kernels.reference import WalkResult, target_probs
 from kernels.torchops.tree_walk import child_table, level_fanout
 
-__all__ = ["tree_walk"]
+__all__ = ["greedy_from_argmax", "tree_walk", "walk_from_probs"]
 
 
 @triton.jit
@@ -156,9 +156,10 @@ def _stochastic_kernel(
                                 vm = v0 + vo < V
                                 p = tl.load(work_p_ptr + wrow + v0 + vo, mask=vm, other=0.0)
                                 q = tl.load(work_q_ptr + wrow + v0 + vo, mask=vm, other=0.0)
-                                p = tl.where(sp > 0, tl.maximum(p - q, 0.0) / sp, p)
+                                res = tl.maximum(p - q, 0.0) / tl.where(sp > 0, sp, 1.0)
+                                p = tl.where(sp > 0, res, p)
                                 q = tl.where(v0 + vo == t, 0.0, q)
-                                q = tl.where(sq > 0, q / sq, q)
+                                q = q / tl.where(sq > 0, sq, 1.0)
                                 tl.store(work_p_ptr + wrow + v0 + vo, p, mask=vm)
                                 tl.store(work_q_ptr + wrow + v0 + vo, q, mask=vm)
                             tl.debug_barrier()
@@ -225,6 +226,88 @@ def _outputs(b: int, d1: int, device: torch.device):
     return e(b), e(b, d1), e(b, d1)
 
 
+def greedy_from_argmax(amax: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
+    """Greedy walk from the argmax per node ``int64[T]``: exactly one kernel launch.
+
+    ``tokens`` ``int[T]`` contiguous; the tree's tensors on the same device.
+    """
+    b, d1 = tree.num_requests, tree.max_depth + 1
+    acc_len, nodes, toks = _outputs(b, d1, amax.device)
+    packed = tree.packed_mask.contiguous()
+    _greedy_kernel[(b,)](
+        amax,
+        tokens,
+        tree.parents,
+        tree.depth,
+        tree.cu_nodes,
+        packed,
+        acc_len,
+        nodes,
+        toks,
+        d1,
+        W=packed.shape[1],
+        BLOCK_N=triton.next_power_of_2(tree.max_nodes),
+        BLOCK_D=triton.next_power_of_2(d1),
+    )
+    return WalkResult(acc_len, nodes, toks)
+
+
+def walk_from_probs(
+    probs: torch.Tensor,
+    tokens: torch.Tensor,
+    tree: Any,
+    mode: str,
+    uniforms: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    block_v: int | None = None,
+) -> WalkResult:
+    """Stochastic walk from ``probs = reference.target_probs(...)`` (float64 ``[T, V]``).
+
+    One launch (plus the row sums and the child table, derived in torch).
+    """
+    if mode not in ("target_only", "draft_probs"):
+        raise ValueError(f"unknown walk mode {mode!r}")
+    b, d1 = tree.num_requests, tree.max_depth + 1
+    dev = probs.device
+    acc_len, nodes, toks = _outputs(b, d1, dev)
+    draft = mode == "draft_probs"
+    probs = probs.contiguous()
+    vocab = probs.shape[1]
+    kmax = max([1, *level_fanout(tree)])
+    table = child_table(tree, kmax).contiguous()
+    if block_v is None:
+        block_v = 1024 if dev.type == "cuda" else triton.next_power_of_2(vocab)
+    if draft:
+        q = draft_probs.contiguous()
+        work_p = torch.empty(b, vocab, dtype=torch.float64, device=dev)
+        work_q = torch.empty(b, vocab, dtype=torch.float64, device=dev)
+    else:
+        q = work_p = work_q = probs
+    _stochastic_kernel[(b,)](
+        probs,
+        probs.sum(-1),
+        q,
+        tokens.contiguous(),
+        table,
+        uniforms.contiguous(),
+        tree.cu_nodes,
+        work_p,
+        work_q,
+        acc_len,
+        nodes,
+        toks,
+        vocab,
+        d1,
+        d1 if draft else d1 - 1,  # draft: one more level copies a leaf's row for the bonus
+        K=kmax,
+        DRAFT=draft,
+        BLOCK_V=block_v,
+        BLOCK_K=triton.next_power_of_2(kmax),
+        BLOCK_D=triton.next_power_of_2(d1),
+    )
+    return WalkResult(acc_len, nodes, toks)
+
+
 def tree_walk(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -249,65 +332,10 @@ def tree_walk(
     Returns:
         ``WalkResult`` of int64 ``[B]``, ``[B, D+1]``, ``[B, D+1]``, -1 padded.
     """
-    b, d1 = tree.num_requests, tree.max_depth + 1
-    dev = logits.device
-    acc_len, nodes, toks = _outputs(b, d1, dev)
-    block_d = triton.next_power_of_2(d1)
     tokens = tokens.contiguous()
     if mode == "greedy":
-        amax = torch.argmax(logits, dim=-1)  # the vocabulary part, before the kernel
-        packed = tree.packed_mask.contiguous()
-        _greedy_kernel[(b,)](
-            amax,
-            tokens,
-            tree.parents,
-            tree.depth,
-            tree.cu_nodes,
-            packed,
-            acc_len,
-            nodes,
-            toks,
-            d1,
-            W=packed.shape[1],
-            BLOCK_N=triton.next_power_of_2(tree.max_nodes),
-            BLOCK_D=block_d,
-        )
-        return WalkResult(acc_len, nodes, toks)
+        return greedy_from_argmax(torch.argmax(logits, dim=-1), tokens, tree)
     if mode not in ("target_only", "draft_probs"):
         raise ValueError(f"unknown walk mode {mode!r}")
-    draft = mode == "draft_probs"
-    probs = target_probs(logits, tree.request_ids, temperature, top_p).contiguous()
-    vocab = probs.shape[1]
-    kmax = max([1, *level_fanout(tree)])
-    table = child_table(tree, kmax).contiguous()
-    if block_v is None:
-        block_v = 1024 if dev.type == "cuda" else triton.next_power_of_2(vocab)
-    if draft:
-        q = draft_probs.contiguous()
-        work_p = torch.empty(b, vocab, dtype=torch.float64, device=dev)
-        work_q = torch.empty(b, vocab, dtype=torch.float64, device=dev)
-    else:
-        q = work_p = work_q = probs
-    _stochastic_kernel[(b,)](
-        probs,
-        probs.sum(-1),
-        q,
-        tokens,
-        table,
-        uniforms.contiguous(),
-        tree.cu_nodes,
-        work_p,
-        work_q,
-        acc_len,
-        nodes,
-        toks,
-        vocab,
-        d1,
-        d1 if draft else d1 - 1,  # draft: one more level copies a leaf's row for the bonus
-        K=kmax,
-        DRAFT=draft,
-        BLOCK_V=block_v,
-        BLOCK_K=triton.next_power_of_2(kmax),
-        BLOCK_D=block_d,
-    )
-    return WalkResult(acc_len, nodes, toks)
+    probs = target_probs(logits, tree.request_ids, temperature, top_p)
+    return walk_from_probs(probs, tokens, tree, mode, uniforms, draft_probs, block_v)
