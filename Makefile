@@ -2,12 +2,15 @@
 # Both run scripts/setup first, which is a no-op once the venv is up to date.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo kernels test lint bench clean
 
 setup:
 	@bash scripts/setup
 
 demo: setup
+	$(PY) -m bench.e2e
+
+kernels: setup
 	$(PY) -m bench
 
 test: setup
