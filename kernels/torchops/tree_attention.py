@@ -21,6 +21,7 @@ strided views, other paged layouts are gathered once.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -29,16 +30,46 @@ __all__ = ["tree_attention"]
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CHUNK = 4096  # prefix tokens per step of the device-agnostic fallback
+_WORKSPACE = threading.local()
+_CONSTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _unpack(words: torch.Tensor, n: int) -> torch.Tensor:
-    """``int64[..., W]`` -> ``bool[..., n]`` (bit ``j`` of each row)."""
-    j = torch.arange(n, device=words.device)
-    return ((words[..., j // 64] >> (j % 64)) & 1).bool()
+def _tree_bias(words: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed ancestor words ``int64[R, n, W]`` -> additive mask ``[R, 1, n, n]``.
+
+    0 where node i sees node j (bit j of row i), -inf elsewhere.
+    """
+    key = (words.device, dtype)
+    consts = _CONSTS.get(key)
+    if consts is None:  # (bit shifts, lookup table bit -> bias)
+        shifts = torch.arange(64, device=words.device)
+        table = torch.tensor([float("-inf"), 0.0], dtype=dtype, device=words.device)
+        consts = _CONSTS[key] = (shifts, table)
+    shifts, table = consts
+    bits = (words[..., None] >> shifts).bitwise_and_(1)  # [R, n, W, 64]
+    return table[bits.view(words.shape[0], 1, n, -1)[..., :n]]
+
+
+def _workspace(slot: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable flat buffer of at least ``numel`` elements (per thread, dtype, device).
+
+    Gathering a paged prefix into fresh memory every call costs a page fault per
+    4 KiB page; reusing the buffer avoids that. It holds the largest gather seen.
+    """
+    key = (slot, like.dtype, like.device)
+    cache = _WORKSPACE.__dict__.setdefault("buffers", {})
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
 
 
 def _prefix_kv(
-    cache: torch.Tensor, block_table: torch.Tensor | None, reqs: list[int], plen: int
+    cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    reqs: list[int],
+    plen: int,
+    slot: str,
 ) -> torch.Tensor:
     """Prefix K or V of requests ``reqs``: ``[R, Hkv, plen, D]`` (a view when possible)."""
     r0, count = reqs[0], len(reqs)
@@ -46,55 +77,68 @@ def _prefix_kv(
     if block_table is None:
         rows = cache[r0 : r0 + count] if consecutive else cache[reqs]
         return rows[:, :plen].transpose(1, 2)
-    bs = cache.shape[1]
+    bs, h, d = cache.shape[1:]
     nblk = (plen + bs - 1) // bs
     blocks = block_table[reqs, :nblk].to(torch.int64)
     first = blocks[:, :1]
     if count == 1 and bool((blocks == first + torch.arange(nblk, device=blocks.device)).all()):
         start = int(first)  # one run of consecutive blocks: a view, no copy
-        flat = cache[start : start + nblk].reshape(1, nblk * bs, cache.shape[2], cache.shape[3])
+        flat = cache[start : start + nblk].reshape(1, nblk * bs, h, d)
     else:
-        flat = cache[blocks].reshape(count, nblk * bs, cache.shape[2], cache.shape[3])
+        buf = _workspace(slot, count * nblk * bs * h * d, cache).view(count * nblk, bs, h, d)
+        torch.index_select(cache, 0, blocks.view(-1), out=buf)
+        flat = buf.view(count, nblk * bs, h, d)
     return flat[:, :plen].transpose(1, 2)
 
 
 def _tree_kv(
     cache: torch.Tensor, block_table: torch.Tensor | None, reqs: list[int], plen: int, n: int
 ) -> torch.Tensor:
-    """The tree nodes' K or V of requests ``reqs``: ``[R, Hkv, n, D]``."""
+    """The tree nodes' K or V of requests ``reqs``: ``[R, Hkv, n, D]`` (a view when possible)."""
+    r0, count = reqs[0], len(reqs)
+    if block_table is None and reqs == list(range(r0, r0 + count)):
+        return cache[r0 : r0 + count, plen : plen + n].transpose(1, 2)
     pos = torch.arange(plen, plen + n, device=cache.device)
     bs = cache.shape[1]
     if block_table is None:  # contiguous [B, S, ...] viewed as [B*S, ...]
         slots = torch.tensor(reqs, device=cache.device)[:, None] * bs + pos
     else:
         slots = block_table[reqs][:, pos // bs].to(torch.int64) * bs + pos % bs
-    rows = cache.reshape(-1, cache.shape[2], cache.shape[3])[slots]
-    return rows.transpose(1, 2)
+    return cache.reshape(-1, cache.shape[2], cache.shape[3])[slots].transpose(1, 2)
 
 
-def _prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention ``q [R, H, M, D]`` over ``k, v [R, H, P, D]`` (P >= 1).
+    """Attention of ``q [R, Hq, M, D]`` over ``k, v [R, Hkv, L, D]`` (L >= 1, GQA).
 
-    Returns ``out [R, H, M, D]`` (q's dtype, or fp32 on the fallback) and fp32
-    ``lse [R, H, M]``.
+    ``bias``: None or an additive mask broadcastable to ``[R, Hq, M, L]``. Returns
+    ``out [R, Hq, M, D]`` (q's dtype on the CPU kernel, fp32 on the fallback) and
+    fp32 ``lse [R, Hq, M]``. Every row must see at least one key.
     """
     if _FLASH_CPU is not None and q.device.type == "cpu":
-        out, lse = _FLASH_CPU(q, k, v, scale=scale)
-        return out, lse
-    # Device-agnostic fallback: fp32 matmuls in prefix chunks, merged online.
-    qf = q.float() * scale
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        return _FLASH_CPU(q, k, v, attn_mask=bias, scale=scale)
+    # Device-agnostic fallback: fp32 matmuls in key chunks, merged online.
+    count, hq, m, d = q.shape
+    g = hq // k.shape[1]
+    qf = q.float().view(count, k.shape[1], g * m, d) * scale
+    out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     for s in range(0, k.shape[2], _CHUNK):
         scores = qf @ k[:, :, s : s + _CHUNK].float().transpose(-1, -2)
+        if bias is not None:
+            chunk_bias = bias[..., s : s + _CHUNK].float().expand(count, hq, m, -1)
+            scores = scores + chunk_bias.reshape(scores.shape)
         chunk_lse = torch.logsumexp(scores, dim=-1)
         part = torch.exp(scores - chunk_lse[..., None]) @ v[:, :, s : s + _CHUNK].float()
         new = torch.logaddexp(lse, chunk_lse)
         out = out * torch.exp(lse - new)[..., None] + part * torch.exp(chunk_lse - new)[..., None]
         lse = new
-    return out, lse
+    return out.view(count, hq, m, d), lse.view(count, hq, m)
 
 
 def tree_attention(
@@ -135,40 +179,44 @@ def tree_attention(
         groups.setdefault((int(plens[b]), cu[b + 1] - cu[b]), []).append(b)
     for (plen, n), reqs in groups.items():
         count = len(reqs)
-        rows = torch.cat([torch.arange(cu[b], cu[b] + n) for b in reqs]).to(q.device)
-        starts = [cu[b] for b in reqs]
-        contiguous_rows = starts == list(range(starts[0], starts[0] + count * n, n))
-        q_req = q[starts[0] : starts[0] + count * n] if contiguous_rows else q[rows]
-        # [R*n, Hkv*G, D] -> [R, Hkv, n*G, D]: row r of KV head h is node r // G, head h*G + r % G
-        qf = q_req.view(count, n, hkv, g, d).transpose(1, 2).reshape(count, hkv, n * g, d)
+        first = cu[reqs[0]]
+        if [cu[b] for b in reqs] == list(range(first, first + count * n, n)):
+            rows: slice | torch.Tensor = slice(first, first + count * n)
+        else:
+            rows = torch.cat([torch.arange(cu[b], cu[b] + n) for b in reqs]).to(q.device)
+        # Queries [R, Hq, n, D]. Viewed as [R, Hkv, G*n, D], the G query heads of a KV
+        # head form one block of rows: the prefix pass reads each K/V row once for all.
+        qh = q[rows].view(count, n, hq, d).transpose(1, 2).contiguous()
+        kt = _tree_kv(k_cache, block_table, reqs, plen, n)
+        vt = _tree_kv(v_cache, block_table, reqs, plen, n)
+        bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, q.dtype)
+        out_t, lse_t = _attend(qh, kt, vt, bias, scale)  # tree block, [R, Hq, n, *]
 
-        # Tree block: fp32 scores [R, Hkv, n*G, n] under the ancestor mask.
-        kt = _tree_kv(k_cache, block_table, reqs, plen, n).float()
-        vt = _tree_kv(v_cache, block_table, reqs, plen, n).float()
-        scores = (qf.float() * scale) @ kt.transpose(-1, -2)
-        words = tree.packed_mask[rows].view(count, n, -1)
-        visible = _unpack(words, n).repeat_interleave(g, dim=1)  # [R, n*G, n]
-        scores.masked_fill_(~visible[:, None], float("-inf"))
-        lse_t = torch.logsumexp(scores, dim=-1)  # finite: a node always sees itself
-        out_t = torch.exp(scores - lse_t[..., None]) @ vt
-
+        # Merge in [R, Hkv, G, n, (D)] views of every operand: no copies.
+        if isinstance(rows, slice):  # write straight into the outputs
+            dst = out[rows].view(count, n, hkv, g, d).permute(0, 2, 3, 1, 4)
+            dst_lse = lse[rows].view(count, n, hkv, g).permute(0, 2, 3, 1)
+        else:
+            dst = torch.empty(count, hkv, g, n, d, dtype=q.dtype, device=q.device)
+            dst_lse = torch.empty(count, hkv, g, n, dtype=torch.float32, device=q.device)
+        out_t = out_t.view(count, hkv, g, n, d)
+        lse_t = lse_t.view(count, hkv, g, n)
         if plen > 0:
-            kp = _prefix_kv(k_cache, block_table, reqs, plen)
-            vp = _prefix_kv(v_cache, block_table, reqs, plen)
-            out_p, lse_p = _prefix_attention(qf, kp, vp, scale)
-            lse_all = torch.logaddexp(lse_p, lse_t)
-            w_p = torch.exp(lse_p - lse_all)[..., None]
-            w_t = torch.exp(lse_t - lse_all)[..., None]
-            out_all = out_p.float() * w_p + out_t * w_t
+            kp = _prefix_kv(k_cache, block_table, reqs, plen, "k")
+            vp = _prefix_kv(v_cache, block_table, reqs, plen, "v")
+            out_p, lse_p = _attend(qh.view(count, hkv, g * n, d), kp, vp, None, scale)
+            out_p, lse_p = out_p.view(out_t.shape), lse_p.view(lse_t.shape)
+            # LSE merge: out = out_p + w * (out_t - out_p), w = the tree block's share.
+            w = torch.sigmoid(lse_t - lse_p).unsqueeze(-1)
+            torch.logaddexp(lse_p, lse_t, out=dst_lse)
+            if out_t.dtype == dst.dtype:
+                torch.lerp(out_p, out_t, w.to(dst.dtype), out=dst)
+            else:
+                dst.copy_(torch.lerp(out_p.float(), out_t.float(), w))
         else:
-            out_all, lse_all = out_t, lse_t
-
-        o = out_all.view(count, hkv, n, g, d).transpose(1, 2).reshape(count * n, hq, d)
-        s = lse_all.view(count, hkv, n, g).transpose(1, 2).reshape(count * n, hq)
-        if contiguous_rows:
-            out[starts[0] : starts[0] + count * n] = o
-            lse[starts[0] : starts[0] + count * n] = s
-        else:
-            out[rows] = o.to(q.dtype)
-            lse[rows] = s
+            dst.copy_(out_t)
+            dst_lse.copy_(lse_t)
+        if not isinstance(rows, slice):
+            out[rows] = dst.permute(0, 3, 1, 2, 4).reshape(count * n, hq, d)
+            lse[rows] = dst_lse.permute(0, 3, 1, 2).reshape(count * n, hq)
     return (out, lse) if return_lse else out
