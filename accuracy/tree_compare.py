@@ -152,7 +152,9 @@ def pair_tree_nodes_with_dense_steps(
                     raise ValueError("dense passes carry no token_ids: pass accepted_nodes")
             if ok:
                 i, j, _ = index[positions[s]]
-                pairs.append(TreeNodePair(r, s - base, tree.depths[s], positions[s], s, i, j))
+                pairs.append(
+                    TreeNodePair(r, tree.node_ids[s], tree.depths[s], positions[s], s, i, j)
+                )
     return pairs
 
 

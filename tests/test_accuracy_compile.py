@@ -117,6 +117,9 @@ def test_compiled_capture_and_replacement_without_recompiles(tmp_path):
     cap.remove()
 
 
+PATTERNS = ["model.layers.0-2", "model.norm", "model"]
+
+
 def test_compiled_tiny_llama_layer_captures_match_eager(tmp_path):
     import os
     import sys
@@ -128,7 +131,7 @@ def test_compiled_tiny_llama_layer_captures_match_eager(tmp_path):
     torch._dynamo.reset()
     cc = CompileCounter()
     compiled = torch.compile(model, backend=cc, fullgraph=True)
-    cap = ModelCapture(compiled, ["model.layers.0-2", "model.norm"], str(tmp_path / "c"))
+    cap = ModelCapture(compiled, PATTERNS, str(tmp_path / "c"))
     cap.register_clear_hook(compiled)
     cap.enable()
     seqs = [
@@ -140,7 +143,7 @@ def test_compiled_tiny_llama_layer_captures_match_eager(tmp_path):
             compiled(input_ids=ids, use_cache=False)
             cap.save_tensor_captures(list(range(5)), True, req_ids=[str(ids.sum().item())])
     assert cc.frame_count == 1
-    eager = ModelCapture(model, ["model.layers.0-2", "model.norm"], str(tmp_path / "e"))
+    eager = ModelCapture(model, PATTERNS, str(tmp_path / "e"))
     eager.enable()
     with torch.no_grad():
         for ids in seqs:
@@ -153,6 +156,7 @@ def test_compiled_tiny_llama_layer_captures_match_eager(tmp_path):
             c.module_names
             == e.module_names
             == ["model.layers.0", "model.layers.1", "model.layers.2", "model.norm"]
+            + ["model.last_hidden_state"]  # the LlamaModel's HF ModelOutput, by key
         )
         for m in c.module_names:
             torch.testing.assert_close(c.tensors[m][0], e.tensors[m][0], rtol=1e-5, atol=1e-5)
