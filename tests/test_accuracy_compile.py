@@ -8,6 +8,7 @@ and nothing recompiles across steps.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.testing import CompileCounter
@@ -160,3 +161,30 @@ def test_compiled_tiny_llama_layer_captures_match_eager(tmp_path):
         )
         for m in c.module_names:
             torch.testing.assert_close(c.tensors[m][0], e.tensors[m][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_backend_capture_and_replacement(tmp_path):
+    """Same as the CompileCounter test with the real (inductor) backend: ~30 s on CPU."""
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    cap = ModelCapture(compiled, ["layers.0-1", "head"], str(tmp_path))
+    cap.register_clear_hook(compiled)
+    cap.enable()
+    rep = torch.randn(6, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(6, 8)
+            cap.setup_tensor_capture()
+            set_active_context({"layers.1.router": rep})
+            out = compiled(x)
+            set_active_context(None)
+            cap.save_tensor_captures(list(range(6)), True, ["r"])
+    assert counters["stats"]["unique_graphs"] == 1
+    last = read(str(tmp_path))[-1]
+    torch.testing.assert_close(last.tensors["head"][0], out)
+    torch.testing.assert_close(last.tensors["manual.router_logits_1"][0], rep)
+    torch.testing.assert_close(last.tensors["layers.1.1.logits"][0], rep)
