@@ -65,17 +65,21 @@ def make_case(
     seed: int = 0,
 ) -> dict:
     """Inputs of every method for one shape: same keys/values in every layout."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     trees = [random_tree(n, seed + r) for r in range(batch)]
     tb = TreeBatch(trees, device=device)
     length = prefix + n
     pad = math.ceil(length / PAGE) * PAGE
-    q = torch.randn(batch * n, heads, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(batch, pad, kv_heads, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(batch, pad, kv_heads, head_dim, generator=gen).to(device, dtype)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    q = randn(batch * n, heads, head_dim)
+    k = randn(batch, pad, kv_heads, head_dim)
+    v = randn(batch, pad, kv_heads, head_dim)
     # Paged copy: block i of the flat [B * pad / PAGE] sequence goes to slot perm[i].
     nblk = pad // PAGE
-    perm = torch.randperm(batch * nblk, generator=gen).to(device)
+    perm = torch.randperm(batch * nblk, generator=gen, device=device)
     k_paged = torch.empty(batch * nblk, PAGE, kv_heads, head_dim, dtype=dtype, device=device)
     v_paged = torch.empty_like(k_paged)
     k_paged[perm] = k.reshape(batch * nblk, PAGE, kv_heads, head_dim)
@@ -177,6 +181,58 @@ def time_cuda(fns: dict[str, Callable], graphs: bool) -> dict[str, float]:
     return out
 
 
+SWEEP_CONFIGS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the Triton kernel
+    (64, 64, 4, 2),
+    (64, 32, 4, 3),
+    (128, 32, 4, 2),
+    (128, 64, 8, 2),
+    (128, 64, 4, 3),
+    (64, 128, 4, 2),
+    (256, 32, 8, 2),
+]
+
+
+def sweep_cuda(heads: int, kv_heads: int, head_dim: int, graphs: bool) -> list[dict]:
+    """Triton configs x prefix splits at the goal shape (N=64, 8K prefix, bf16), vs decode."""
+    from kernels.triton.tree_attention import _tree_attention
+
+    rows = []
+    for batch in (1, 8):
+        case = make_case(batch, 64, 8192, heads, kv_heads, head_dim, torch.bfloat16, "cuda")
+        base = time_cuda(methods(case, []), graphs)  # dense_sdpa, decode_sdpa
+        fns = {}
+        for cfg in SWEEP_CONFIGS:
+            for splits in (None, 1, 8, 32):
+                fns[(cfg, splits)] = lambda cfg=cfg, splits=splits, c=case: _tree_attention(
+                    c["q"], c["k"], c["v"], c["tree"], c["plens"], config=cfg, num_splits=splits
+                )
+        for (cfg, splits), fn in fns.items():
+            try:
+                ms = time_cuda({"t": fn}, graphs)["t"]
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip
+                print(f"  config {cfg} splits {splits}: failed ({type(exc).__name__})")
+                continue
+            rows.append(
+                dict(
+                    batch=batch,
+                    config=list(cfg),
+                    splits=splits,
+                    ms=ms,
+                    vs_decode=ms / base["decode_sdpa"],
+                    dense_speedup=base["dense_sdpa"] / ms,
+                )
+            )
+        best = min((r for r in rows if r["batch"] == batch), key=lambda r: r["ms"])
+        print(
+            f"SWEEP B={batch}: best config {best['config']} splits {best['splits']}: "
+            f"{best['ms']:.4f} ms = {best['vs_decode']:.2f}x decode "
+            f"({base['decode_sdpa']:.4f} ms), {best['dense_speedup']:.2f}x faster than dense "
+            f"({base['dense_sdpa']:.4f} ms)"
+        )
+        del case
+    return rows
+
+
 def max_error(fns: dict[str, Callable], case: dict) -> dict[str, float]:
     """Max |out - dense_sdpa| of each tree-attention column (a sanity check, not a test)."""
     ref = fns["dense_sdpa"]().float().transpose(1, 2).reshape(case["q"].shape)
@@ -244,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="CPU: process CPU time (robust on a shared machine) or wall time",
     )
     ap.add_argument("--no-graphs", action="store_true", help="CUDA: time eagerly")
+    ap.add_argument(
+        "--sweep", action="store_true", help="CUDA: Triton configs x splits at the goal shape"
+    )
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
@@ -281,6 +340,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, note in notes.items():
         print(f"  {name}: {note}")
 
+    sweep = []
+    if cuda and args.sweep and "triton" in backends:
+        sweep = sweep_cuda(heads, kv_heads, args.head_dim, graphs=not args.no_graphs)
+
     rows = []
     grid = [(dt, b, n, p) for dt in dtypes for b in batches for p in prefixes for n in nodes]
     for dt, b, n, p in tqdm(grid, desc="shapes"):
@@ -312,6 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         page_size=PAGE,
         notes=notes,
         rows=rows,
+        sweep=sweep,
     )
     out = Path(args.out)
     _write_atomic(out / f"attention_{args.device}.json", json.dumps(report, indent=1).encode())

@@ -1,6 +1,6 @@
 """Tree attention as one flash-style Triton kernel (+ a split-KV merge kernel).
 
-One program per (request, KV head, query block[, prefix split]). GQA: the ``G``
+One program per (query block[, prefix split], KV head, request). GQA: the ``G``
 query heads of a KV head are folded into the query rows (row ``r`` is node
 ``r // G``, query head ``kv_head * G + r % G``), so every K/V tile is loaded once
 for all of them. Each program
@@ -10,7 +10,8 @@ for all of them. Each program
 2. then (last split only) over the request's tree nodes, masking scores with the
    bit-packed ancestor words (``tree.packed_mask``, up to 4 int64 words = 256 nodes),
 
-with an online softmax in fp32 (base-2 exponentials). K/V are read through the
+with an online softmax in fp32 (base-2 exponentials; fp32 inputs use IEEE fp32
+dots, not TF32). K/V are read through the
 block table (vLLM paged layout); a contiguous ``[B, S, Hkv, D]`` cache is read as
 a paged one with block size ``S`` and block table ``[[0], [1], ...]``.
 
@@ -67,6 +68,7 @@ def _tree_attn_fwd(
     stride_lt,
     block_size,
     num_splits,
+    num_qblocks,
     scale_log2,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -75,11 +77,14 @@ def _tree_attn_fwd(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # Axis 0 = split * num_qblocks + query block: programs that stream the same K/V
+    # tiles (same split, other query blocks) are launched next to each other.
+    split = tl.program_id(0) // num_qblocks
+    qblk = tl.program_id(0) % num_qblocks
     kvh = tl.program_id(1)
-    qblk = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    b = tl.program_id(2)
 
     start = tl.load(CU + b)
     n = (tl.load(CU + b + 1) - start).to(tl.int32)
@@ -133,12 +138,12 @@ def _tree_attn_fwd(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # Prefix tail (at most one partial tile): bounds mask only.
@@ -161,13 +166,13 @@ def _tree_attn_fwd(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(pos_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # Tree block (last split only): node i sees node j iff bit j of its packed row is set.
@@ -201,13 +206,13 @@ def _tree_attn_fwd(
         bit = (words >> (j % 64).to(tl.int64)[None, :]) & 1
         visible = (bit != 0) | (~row_ok[:, None])  # padded rows: anything finite
         visible = visible & j_ok[None, :]
-        qk = tl.dot(q, tl.trans(k)) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     has = l_i > 0  # False only for an empty split
@@ -374,7 +379,7 @@ def _tree_attention(
         stride_os, stride_ls = part.stride(0), part_lse.stride(0)
     write_lse = num_splits > 1 or return_lse
     lse_t = part_lse.stride(-2) if write_lse else 0
-    grid = (batch, hkv, qblocks * num_splits)
+    grid = (qblocks * num_splits, hkv, batch)
     _tree_attn_fwd[grid](
         q,
         k_cache,
@@ -402,6 +407,7 @@ def _tree_attention(
         lse_t,
         block_size,
         num_splits,
+        qblocks,
         scale * _LOG2E,
         G=g,
         HEAD_DIM=d,
@@ -410,6 +416,7 @@ def _tree_attention(
         BLOCK_N=block_n,
         UPCAST=upcast,
         WRITE_LSE=write_lse,
+        PRECISION="ieee" if q.dtype == torch.float32 or _interpreting() else "tf32",
         num_warps=warps,
         num_stages=stages,
     )
