@@ -206,6 +206,26 @@ def test_draft_equal_to_target_keeps_p_like_the_reference(backend):
         assert_same(walk(case, backend), want)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_walk_entry_points_after_the_vocab_part_equal_reference(backend):
+    # greedy_from_argmax (the CUDA path of torch, the kernel of triton) and walk_from_probs
+    mod = importlib.import_module(f"{kernels.BACKENDS[backend]}.tree_walk")
+    for seed in range(6):
+        for mode in MODES:
+            case = make_case(seed, LIMITS[backend], 61, mode, torch.float32)
+            tb, tokens = case["tree"], case["tokens"]
+            if mode == "greedy":
+                got = mod.greedy_from_argmax(case["logits"].argmax(-1), tokens, tb)
+            else:
+                probs = reference.target_probs(
+                    case["logits"], tb.request_ids, case["temperature"], case["top_p"]
+                )
+                got = mod.walk_from_probs(
+                    probs, tokens, tb, mode, case["uniforms"], case["draft_probs"]
+                )
+            assert_same(got, ref_walk(case))
+
+
 # ----------------------------------------------------------------------------- greedy
 def greedy_decode(table: torch.Tensor, start: int, steps: int) -> list[int]:
     out, tok = [], start
@@ -441,12 +461,16 @@ def test_torch_walk_has_no_host_sync(mode):
     case = make_case(5, LIMITS["torch"], 61, mode, torch.float32)
     case["temperature"], case["top_p"] = torch.full((case["tree"].num_requests,), 0.9), 0.9
     want = ref_walk(case)
-    fn = importlib.import_module("kernels.torchops.tree_walk").tree_walk
+    mod = importlib.import_module("kernels.torchops.tree_walk")
     kw = dict(case)
     args = [kw.pop(k) for k in ("logits", "tokens", "tree", "mode")]
     with NoHostSync():
-        got = fn(*args, **kw)
+        got = mod.tree_walk(*args, **kw)
+        if mode == "greedy":  # the CUDA form: one argmax over all nodes, then the walk
+            from_argmax = mod.greedy_from_argmax(args[0].argmax(-1), *args[1:3])
     assert_same(got, want)
+    if mode == "greedy":
+        assert_same(from_argmax, want)
     with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
         reference.tree_walk(*args, **kw)  # the mode does catch the reference's loops
 
