@@ -10,12 +10,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tree_dev.models import DEFAULT_CHECKPOINT, EagleHead, data, load
-from tree_dev.models.evaluate import evaluate, val_windows
+from tree_dev.models import DEFAULT_CHECKPOINT, EagleHead, ModelSet, data, load
+from tree_dev.models.evaluate import evaluate
 from tree_dev.models.train import TINY, Logger, eagle_loss, save_lm, train_eagle, train_lm, val_loss
 
 SAMPLE = [
@@ -162,6 +163,29 @@ def test_training_lowers_loss(tok, tiny_stream):
     assert head_loss() < start - 0.3, (start, head_loss())
 
 
+def test_evaluate_metrics_on_known_cases(tok):
+    target = tiny_lm(tok, seed=3)
+    head = EagleHead.from_target(target, seed=4).eval()
+    text = "".join(SAMPLE[:3]) + "é漢字 🙂\n"
+    ids = torch.tensor(tok.encode(text))
+    windows = torch.stack([ids[:21], ids[20:41]])
+    res = evaluate(ModelSet(target, target, head, tok, None), windows, data.token_byte_lengths(tok))
+    t, d = res["target"], res["draft"]
+    # a draft identical to the target agrees everywhere and has the same perplexity
+    assert d["agree_top1"] == 1.0 and all(v == 1.0 for v in d["topk_hit"].values())
+    assert d["ppl"] == pytest.approx(t["ppl"], rel=1e-6)
+    # bytes are the UTF-8 size of the predicted text (positions 2 ..), bpb = nats / ln 2 / bytes
+    nb = sum(len(tok.decode(w[2:]).encode()) for w in windows)
+    assert t["bytes"] == nb and t["tokens"] == 2 * 19
+    logits = target(input_ids=windows[:, :-1]).logits[:, 1:]
+    nats = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), windows[:, 2:].flatten(), reduction="sum"
+    )
+    assert t["bpb"] == pytest.approx(float(nats) / math.log(2) / nb, rel=1e-5)
+    hits = [res["eagle"]["topk_hit"][k] for k in ("1", "2", "4", "8")]
+    assert hits == sorted(hits) and hits[0] == res["eagle"]["agree_top1"]
+
+
 def test_missing_paths_give_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         load(tmp_path / "nope")
@@ -199,7 +223,8 @@ def test_committed_checkpoint_matches_recorded_metrics():
     assert len(m.tokenizer) == m.target.config.vocab_size == m.draft.config.vocab_size
     s = "def spam(eggs):\n    return {'ham': eggs}  # ünïcödé 🙂\n"
     assert m.tokenizer.decode(m.tokenizer.encode(s)) == s
-    windows = val_windows(m.tokenizer, rec["seq_len"], rec["windows"])
+    windows = load_file(str(DEFAULT_CHECKPOINT / "eval_slice.safetensors"))["windows"].long()
+    assert windows.shape == (rec["windows"], rec["seq_len"] + 1)
     res = evaluate(m, windows, data.token_byte_lengths(m.tokenizer))
     for name, r in rec["models"].items():
         assert res[name]["tokens"] == r["tokens"] and res[name]["bytes"] == r["bytes"]

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--out", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory")
     ev.add_argument("--json", default="results/models_eval.json")
     ev.add_argument("--windows", type=int, default=64, help="held-out windows of seq_len tokens")
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--record", type=int, default=0, help="store N windows + metrics in --out")
     ev.add_argument("--minutes", type=float, default=None, help="(unused by eval)")
     args = ap.parse_args(argv)
     cmd = "python -m tree_dev.models " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from .evaluate import run_eval
 
-        run_eval(args.out, args.json, args.windows, command=cmd)
+        run_eval(args.out, args.json, args.windows, command=cmd, record=args.record)
     return 0
 
 

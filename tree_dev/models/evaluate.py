@@ -90,10 +90,38 @@ def val_windows(tokenizer, seq_len: int, n: int | None) -> torch.Tensor:
     return data.eval_windows(stream, seq_len, n)
 
 
+def record_slice(path: str | os.PathLike, models: ModelSet, windows: torch.Tensor) -> dict:
+    """Store ``windows`` and their metrics as ``eval_slice.{safetensors,json}`` in ``path``.
+
+    The test suite re-evaluates the committed checkpoint on exactly these tokens,
+    independent of the interpreter whose standard library is installed.
+    """
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    res = evaluate(models, windows, data.token_byte_lengths(models.tokenizer))
+    tmp = p / "eval_slice.safetensors.tmp"
+    save_file({"windows": windows.to(torch.int32).contiguous()}, str(tmp))
+    os.replace(tmp, p / "eval_slice.safetensors")
+    rec = {"windows": int(windows.shape[0]), "seq_len": int(windows.shape[1] - 1), "models": res}
+    tmp = p / "eval_slice.json.tmp"
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, p / "eval_slice.json")
+    return rec
+
+
 def run_eval(
-    path: str | os.PathLike, json_out: str | os.PathLike, n_windows: int = 64, command: str = ""
+    path: str | os.PathLike,
+    json_out: str | os.PathLike,
+    n_windows: int = 64,
+    command: str = "",
+    record: int = 0,
 ) -> dict:
-    """Evaluate the checkpoint at ``path``; write JSON (and a PNG next to it); print a table."""
+    """Evaluate the checkpoint at ``path``; write JSON (and a PNG next to it); print a table.
+
+    ``record > 0``: also store the first ``record`` windows and their metrics in the
+    checkpoint directory (see :func:`record_slice`).
+    """
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     t0 = time.perf_counter()
     models = load(path)
@@ -132,6 +160,9 @@ def run_eval(
         print(f"{k:8} {r['params']:9d} {r['ppl']:8.2f} {r['bpb']:6.3f} {agree} {hits}")
     print(f"wrote {out} ({report['windows']} windows x {seq_len} tokens, {report['seconds']:.0f}s)")
     _plot(report, out.with_suffix(".png"), Path(path) / "train_summary.json")
+    if record:
+        record_slice(path, models, windows[:record])
+        print(f"recorded {record} windows in {Path(path) / 'eval_slice.json'}")
     return report
 
 
