@@ -77,6 +77,7 @@ class ModelCapture:
         self._registry.configure(enabled=True)
         self._prev_instance: TensorRegistry | None = None
         self._clear_hook_handle = None
+        self._model, self._name_prefix = model, name_prefix
         self._capture_names = match_modules(model, list(modules), strict=strict)
         self._hooks = register_capture_hooks(
             model, self._capture_names, self._registry, name_prefix
@@ -172,8 +173,16 @@ class ModelCapture:
             extra=extra,
         )
 
+    def attach(self) -> None:
+        """Re-register the capture hooks after :meth:`remove` (no-op when attached)."""
+        if not self._hooks:
+            self._hooks = register_capture_hooks(
+                self._model, self._capture_names, self._registry, self._name_prefix
+            )
+
     def remove(self) -> None:
-        """Remove all hooks (the compiled graph keeps its traced copy until recompiled)."""
+        """Remove the capture hooks and the clear hook (a compiled graph keeps its traced
+        copy until it recompiles)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -67,6 +67,8 @@ def run(reps: int, seq: int) -> dict:
     caps = {}
     for name, pats in configs.items():
         caps[name] = ModelCapture(model, pats, os.path.join(tmp, name))
+        if name.endswith("+save"):
+            caps[name].enable()  # the others keep their writer disabled
         caps[name].remove()
     times: dict[str, list[float]] = {"none": [], **{k: [] for k in configs}}
     n_captured = {}
@@ -87,17 +89,14 @@ def run(reps: int, seq: int) -> dict:
                     forward()
                     times["none"].append(time.perf_counter() - t0)
                     continue
-                pats = configs[name]
-                cap = ModelCapture(model, pats, os.path.join(tmp, name))
-                cap.enable()
+                cap = caps[name]
+                cap.attach()
                 t0 = time.perf_counter()
-                cap.clear()
                 cap.setup_tensor_capture()
                 forward()
                 if name.endswith("+save"):
                     cap.save_tensor_captures(list(range(seq)), True, ["bench"])
                 else:  # capture only: restore the global registry, keep tensors in memory
-                    cap.disable()
                     cap.save_tensor_captures(None, True)
                 times[name].append(time.perf_counter() - t0)
                 n_captured[name] = len(cap.registry.get_all())

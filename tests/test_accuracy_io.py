@@ -365,3 +365,19 @@ def test_setup_starts_a_fresh_forward_without_clear_hook(tmp_path):
         h = net.layers[0](xs[1]).last
         torch.testing.assert_close(fwds[1].tensors["layers.1.last"][0], net.layers[1](h).last)
     TensorRegistry.reset_instance()
+
+
+def test_remove_and_attach_hooks(tmp_path):
+    net = Net()
+    cap = ModelCapture(net, ["layers.0"], str(tmp_path))
+    x = torch.randn(2, 4)
+    for attached, expected in ((False, 2), (True, 5)):  # 2 = inline captures only
+        cap.remove() if not attached else cap.attach()
+        cap.setup_tensor_capture()
+        with torch.no_grad():
+            net(x)
+        cap.save_tensor_captures([0, 1], True)
+        assert len(cap.registry.get_all()) == expected
+    cap.attach()  # idempotent
+    assert len(cap._hooks) == 1
+    TensorRegistry.reset_instance()
