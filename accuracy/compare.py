@@ -113,26 +113,74 @@ def compare_tensors(t1: torch.Tensor, t2: torch.Tensor, name: str = "") -> Compa
     return ComparisonResult(name, linf, l2, max_abs, True, tuple(t1.shape), tuple(t2.shape))
 
 
+def compare_rows(t1: torch.Tensor, t2: torch.Tensor, name: str) -> list[ComparisonResult]:
+    """``compare_tensors`` of every row ``t1[i]`` vs ``t2[i]`` (named ``{name}/token{i}``),
+    computed in one vectorised pass. Same metric definitions and zero rules."""
+    _check_shapes(name, [tuple(t1.shape), tuple(t2.shape)])
+    r = t1.detach().float().reshape(t1.shape[0], -1)
+    d = (t2.detach().float().reshape(t2.shape[0], -1) - r).abs()
+    row_shape = tuple(t1.shape[1:])
+    if d.shape[1] == 0:
+        return [
+            ComparisonResult(f"{name}/token{i}", 0.0, 0.0, 0.0, True, row_shape, row_shape)
+            for i in range(t1.shape[0])
+        ]
+    max_abs = d.amax(1).tolist()
+    ref_max = r.abs().amax(1).tolist()
+    dn = torch.linalg.vector_norm(d, dim=1).tolist()
+    rn = torch.linalg.vector_norm(r, dim=1).tolist()
+    return [
+        ComparisonResult(
+            f"{name}/token{i}",
+            _rel(max_abs[i], ref_max[i]),
+            _rel(dn[i], rn[i]),
+            max_abs[i],
+            True,
+            row_shape,
+            row_shape,
+        )
+        for i in range(len(max_abs))
+    ]
+
+
+def _bc_rows(p: torch.Tensor, q: torch.Tensor, bins: int) -> torch.Tensor:
+    """Row-wise BC of ``p[i]`` vs ``q[i]`` (``[T, n]``): ``bins`` equal bins over the row's
+    common finite range; 1.0 when the range is a single value, NaN without finite data."""
+    fp, fq = torch.isfinite(p), torch.isfinite(q)
+    inf = float("inf")
+    lo = torch.minimum(torch.where(fp, p, inf).amin(1), torch.where(fq, q, inf).amin(1))
+    hi = torch.maximum(torch.where(fp, p, -inf).amax(1), torch.where(fq, q, -inf).amax(1))
+    span = hi - lo
+    safe = torch.where(span > 0, span, torch.ones_like(span))
+
+    def hist(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        idx = ((x - lo[:, None]) * bins / safe[:, None]).floor().clamp(0, bins - 1)
+        idx = torch.where(finite, idx, torch.zeros_like(idx)).long()
+        h = torch.zeros(x.shape[0], bins).scatter_add_(1, idx, finite.float())
+        return h / h.sum(1, keepdim=True)
+
+    bc = torch.sqrt(hist(p, fp) * hist(q, fq)).sum(1).clamp(max=1.0)
+    return torch.where(span == 0, torch.ones_like(bc), bc)
+
+
 def bhattacharyya_coefficient(
     p_errors: torch.Tensor, q_errors: torch.Tensor, bins: int = 100
 ) -> float:
-    """BC = sum_i sqrt(p_i q_i) of the two error histograms over a common range.
+    """BC = sum_i sqrt(p_i q_i) of the two error histograms over their common range.
 
-    1.0 for identical distributions (and for two all-zero error sets), 0.0 for no overlap.
+    ``bins`` equal bins spanning [min, max] of both (finite) error sets. 1.0 for
+    identical distributions (and when all errors are one value), ~0.0 for no overlap,
+    NaN when either set has no finite value.
     """
-    p = p_errors.detach().float().reshape(-1)
-    q = q_errors.detach().float().reshape(-1)
-    p, q = p[torch.isfinite(p)], q[torch.isfinite(q)]
+    p = p_errors.detach().float().reshape(1, -1)
+    q = q_errors.detach().float().reshape(1, -1)
     if p.numel() == 0 or q.numel() == 0:
         return float("nan")
-    hi = float(torch.maximum(p.max(), q.max()))
-    lo = float(torch.minimum(p.min(), q.min()))
-    if hi == lo:
-        return 1.0
-    hp = torch.histc(p, bins=bins, min=lo, max=hi)
-    hq = torch.histc(q, bins=bins, min=lo, max=hi)
-    hp, hq = hp / hp.sum(), hq / hq.sum()
-    return float(torch.sqrt(hp * hq).sum().clamp(max=1.0))
+    if p.shape != q.shape:  # different sizes: pad with NaN (ignored as non-finite)
+        n = max(p.shape[1], q.shape[1])
+        p = torch.nn.functional.pad(p, (0, n - p.shape[1]), value=float("nan"))
+        q = torch.nn.functional.pad(q, (0, n - q.shape[1]), value=float("nan"))
+    return float(_bc_rows(p, q, bins)[0])
 
 
 def _sample(diff: torch.Tensor) -> torch.Tensor:
@@ -182,6 +230,56 @@ def compare_tensors_three_way(
         _sample(bdiff),
         _sample(tdiff),
     )
+
+
+def compare_rows_three_way(
+    baseline: torch.Tensor,
+    expected: torch.Tensor,
+    actual: torch.Tensor,
+    name: str,
+    config: DynamicThresholdConfig | None = None,
+) -> list[ThreeWayComparisonResult]:
+    """``compare_tensors_three_way`` of every row (``{name}/token{i}``), vectorised."""
+    config = config or DynamicThresholdConfig()
+    _check_shapes(name, [tuple(baseline.shape), tuple(expected.shape), tuple(actual.shape)])
+    T = baseline.shape[0]
+    b = baseline.detach().float().reshape(T, -1)
+    bd = (expected.detach().float().reshape(T, -1) - b).abs()
+    td = (actual.detach().float().reshape(T, -1) - b).abs()
+    if b.shape[1] == 0:
+        return [
+            ThreeWayComparisonResult(f"{name}/token{i}", 0, 0, 0, 0, 0, 0, 1.0, True)
+            for i in range(T)
+        ]
+    bmax, bnorm = b.abs().amax(1).tolist(), torch.linalg.vector_norm(b, dim=1).tolist()
+    be_max, te_max = bd.amax(1).tolist(), td.amax(1).tolist()
+    be_n = torch.linalg.vector_norm(bd, dim=1).tolist()
+    te_n = torch.linalg.vector_norm(td, dim=1).tolist()
+    bcs = _bc_rows(bd, td, config.bc_bins).tolist()
+    out = []
+    for i in range(T):
+        bl, tl = _rel(be_max[i], bmax[i]), _rel(te_max[i], bmax[i])
+        b2, t2 = _rel(be_n[i], bnorm[i]), _rel(te_n[i], bnorm[i])
+        lr, l2r = _ratio(tl, bl), _ratio(t2, b2)
+        passed = lr < config.linf_multiplier and l2r < config.l2_multiplier
+        out.append(
+            ThreeWayComparisonResult(
+                f"{name}/token{i}",
+                bl,
+                tl,
+                b2,
+                t2,
+                lr,
+                l2r,
+                bcs[i],
+                bool(passed),
+                True,
+                None,
+                _sample(bd[i]),
+                _sample(td[i]),
+            )
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- capture level
@@ -277,13 +375,6 @@ def _unpaired_name(fwds: tuple) -> str:
     return f"(step {f.dir_name})"
 
 
-def _split_tokens(name: str, tensors: list[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
-    """Per-token rows ``name/token{i}`` of >=2-D aligned tensors; 1-D ones stay whole."""
-    if tensors[0].dim() < 2:
-        return [(name, tensors)]
-    return [(f"{name}/token{i}", [t[i] for t in tensors]) for i in range(tensors[0].shape[0])]
-
-
 def compare_captures_two_way(
     ref: list[CapturedForwardPass],
     test: list[CapturedForwardPass],
@@ -340,8 +431,10 @@ def compare_captures_two_way(
                         )
                     )
                     continue
-                for tok, (a, b) in _split_tokens(nm, [r2, t2]):
-                    res.append(compare_tensors(a, b, tok))
+                if r2.dim() >= 2:
+                    res.extend(compare_rows(r2, t2, nm))
+                else:
+                    res.append(compare_tensors(r2, t2, nm))
             out[prompt][step] = res
     return out
 
@@ -400,8 +493,10 @@ def compare_captures_three_way(
                         _check_shapes(nm, [tuple(b.shape), tuple(e.shape), tuple(a.shape)])
                     res.append(ThreeWayComparisonResult(nm, shape_match=False))
                     continue
-                for tok, (x, y, z) in _split_tokens(nm, [b2, e2, a2]):
-                    res.append(compare_tensors_three_way(x, y, z, tok, config))
+                if b2.dim() >= 2:
+                    res.extend(compare_rows_three_way(b2, e2, a2, nm, config))
+                else:
+                    res.append(compare_tensors_three_way(b2, e2, a2, nm, config))
             out[prompt][step] = res
     return out
 

@@ -188,6 +188,41 @@ def test_compare_tensors_metric_definitions():
         compare_tensors(ref, act[:2], "layer_0")
 
 
+def test_compare_rows_equals_per_row_compare_tensors():
+    from accuracy.compare import compare_rows
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(5, 3, 7, generator=g)
+    act = ref + 1e-2 * torch.randn(5, 3, 7, generator=g)
+    ref[2] = 0.0  # zero reference row: inf relative error
+    act[3] = ref[3]  # identical row: zeros
+    rows = compare_rows(ref, act, "m")
+    for i, r in enumerate(rows):
+        want = compare_tensors(ref[i], act[i], f"m/token{i}")
+        assert r.name == want.name and r.shape1 == want.shape1
+        for f in ("linf_rel", "l2_rel", "max_abs"):
+            assert getattr(r, f) == pytest.approx(getattr(want, f), rel=1e-6), (i, f)
+    assert rows[2].linf_rel == float("inf") and rows[3].max_abs == 0.0
+
+
+def test_compare_rows_three_way_equals_per_row():
+    from accuracy.compare import compare_rows_three_way
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(4, 256, generator=g)
+    exp = base + 1e-3 * torch.randn(4, 256, generator=g)
+    act = base + 1.3e-3 * torch.randn(4, 256, generator=g)
+    act[1] = base[1] + 5e-3 * torch.randn(256, generator=g)
+    exp[2], act[2] = base[2], base[2]
+    rows = compare_rows_three_way(base, exp, act, "m")
+    for i, r in enumerate(rows):
+        w = compare_tensors_three_way(base[i], exp[i], act[i], f"m/token{i}")
+        assert (r.name, r.passed) == (w.name, w.passed)
+        for f in ("base_linf", "tgt_linf", "base_l2", "tgt_l2", "linf_ratio", "l2_ratio", "bc"):
+            assert getattr(r, f) == pytest.approx(getattr(w, f), rel=1e-6, abs=1e-9), (i, f)
+    assert not rows[1].passed and rows[2].linf_ratio == 0.0 and rows[2].bc == 1.0
+
+
 def test_three_way_ratios():
     g = torch.Generator().manual_seed(0)
     base = torch.randn(4096, generator=g)
@@ -211,6 +246,15 @@ def test_bhattacharyya_coefficient_extremes():
     a = torch.rand(10000, generator=torch.Generator().manual_seed(1))
     assert bhattacharyya_coefficient(a, a) == pytest.approx(1.0)
     assert bhattacharyya_coefficient(a, a + 5.0) == pytest.approx(0.0)
+    # two point masses in the end bins of 100 over [0, 1]: no overlap; half overlap
+    p = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    assert bhattacharyya_coefficient(p, torch.tensor([1.0, 1.0, 1.0, 1.0])) == pytest.approx(
+        0.5**0.5
+    )
+    assert bhattacharyya_coefficient(torch.zeros(3), torch.zeros(5)) == 1.0
+    assert bhattacharyya_coefficient(torch.tensor([float("nan")]), p) != bhattacharyya_coefficient(
+        torch.tensor([float("nan")]), p
+    )  # NaN: no finite errors on one side
 
 
 # ----------------------------------------------------------------- patterns
