@@ -67,20 +67,21 @@ def random_tree(n: int, seed: int) -> TokenTree:
 
 
 def make_case(batch: int, nodes: int, vocab: int, device: str, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    tb = TreeBatch([random_tree(nodes, seed + r) for r in range(batch)])
+    """Inputs of one grid point, generated on ``device`` (bf16 logits, fp32 draft probs)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tb = TreeBatch([random_tree(nodes, seed + r) for r in range(batch)], device=device)
     t = tb.total_nodes
-    logits = torch.randn(t, vocab, generator=gen, dtype=torch.bfloat16) * 3
-    amax = logits.float().argmax(-1)
+    rand = lambda *shape, **kw: torch.randn(*shape, generator=gen, device=device, **kw)
+    logits = rand(t, vocab, dtype=torch.bfloat16) * 3
+    amax = logits.argmax(-1)
     gparent = tb.parents.clamp(min=0) + tb.cu_nodes[tb.request_ids]
     tokens = (amax[gparent] + tb.sibling_rank * 7919) % vocab  # rank 0 = the argmax
-    q = torch.softmax(torch.randn(t, vocab, generator=gen) * 2, -1)
     return dict(
-        tree=tb.to(device),
-        logits=logits.to(device),
-        tokens=tokens.to(device),
-        uniforms=torch.rand(t, 2, generator=gen).to(device),
-        draft_probs=q.to(device),
+        tree=tb,
+        logits=logits,
+        tokens=tokens,
+        uniforms=torch.rand(t, 2, generator=gen, device=device),
+        draft_probs=torch.softmax(rand(t, vocab) * 2, -1),
     )
 
 
