@@ -308,7 +308,7 @@ def bigram_model(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return target, draft
 
 
-def one_step(backend, mode, tree, roots, target, draft, temperature, top_p, gen):
+def one_step(backend, mode, tree, roots, target, draft, temperature, top_p, gen, u_scale=1.0):
     """Walk ``len(roots)`` requests of ``tree`` in one call; tokens drafted per ``mode``.
 
     ``target_only``: deterministic top-K drafts (children = the draft's most likely
@@ -334,7 +334,7 @@ def one_step(backend, mode, tree, roots, target, draft, temperature, top_p, gen)
         flat,
         batch,
         mode,
-        uniforms=torch.rand(batch.total_nodes, 2, generator=gen),
+        uniforms=torch.rand(batch.total_nodes, 2, generator=gen) * u_scale,
         draft_probs=draft[flat] if mode == "draft_probs" else None,
         temperature=temperature,
         top_p=top_p,
@@ -386,6 +386,20 @@ def test_walk_is_lossless(backend, mode, temperature, top_p):
     p_pair = chi_square_p(pairs, joint.ravel())
     assert p_first > 1e-3 and p_pair > 1e-3, (p_first, p_pair)
     assert (first.accepted_len >= 2).double().mean() > 0.3  # the tree is actually used
+
+
+@pytest.mark.parametrize("mode", ["target_only", "draft_probs"])
+def test_lossless_check_detects_a_biased_walk(mode):
+    # the chi-square check has power: halving the acceptance uniforms (accepting drafts
+    # too often) must fail it at the same number of draws
+    tree = TokenTree.from_paths(STOCH_PATHS)
+    target, draft = bigram_model(seed=3)
+    gen = torch.Generator().manual_seed(4)
+    roots = torch.full((LIMITS["torch"]["draws"],), START)
+    first = one_step("torch", mode, tree, roots, target, draft, 1.0, 1.0, gen, u_scale=0.5)
+    probs = reference.target_probs(target, torch.zeros(VOCAB, dtype=torch.int64)).numpy()
+    t1 = first.output_tokens[:, 0]
+    assert chi_square_p(np.bincount(t1.numpy(), minlength=VOCAB), probs[START]) < 1e-6
 
 
 # ----------------------------------------------------------------------------- bad input
