@@ -13,7 +13,11 @@ is drawn by the same inverse CDF (``reference.sample_from``).
   each request (``D * B`` rows, not ``T``); elsewhere one argmax over all nodes.
 - ``target_only``: child c of rank r passes iff ``u_c * S < p[t_c]`` where
   ``S`` is the parent's mass minus a running sum of the earlier siblings'
-  target probabilities (rejected siblings removed, unnormalised).
+  target probabilities (rejected siblings removed, unnormalised). Given the
+  probabilities of every node (``walk_from_probs``, and on CUDA) all nodes are
+  tested at once; from logits on the CPU the same test runs level by level on
+  the current nodes only, so ``target_probs`` (a sort over the vocabulary) runs
+  on ``D * B`` rows instead of ``T``.
 - ``draft_probs``: the residual update (``p`` kept when ``max(p - q, 0)`` is all
   zero, as in the reference) is sequential over siblings, so this
   mode walks level by level (one current node per request) and loops over
@@ -191,12 +195,53 @@ def _target_only(probs, tokens, tree, uniforms):
     passes = first[gparent, tree.sibling_rank] & (tree.parents >= 0)
     acc_len, nodes, toks, stop = _path_outputs(_propagate(passes, tree), tree, tokens, d)
     gstop = tree.cu_nodes[:-1] + stop
-    p = probs[gstop]
-    kids = table[gstop]  # the stop node's children were all rejected: remove their tokens
+    p = _remove_children(probs[gstop], table[gstop], tok)  # its children were all rejected
+    return _finish(acc_len, nodes, toks, sample_inverse_cdf(p, u[gstop, 1]))
+
+
+def _remove_children(p: torch.Tensor, kids: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """Zero ``p [B, V]`` at the tokens of the (all rejected) children ``kids [B, K]``."""
     hit = torch.zeros(p.shape, dtype=torch.int32, device=p.device)
     hit.scatter_add_(1, torch.where(kids >= 0, tok[kids.clamp(min=0)], 0), (kids >= 0).int())
-    p = torch.where(hit > 0, torch.zeros_like(p), p)
-    return _finish(acc_len, nodes, toks, sample_inverse_cdf(p, u[gstop, 1]))
+    return torch.where(hit > 0, torch.zeros_like(p), p)
+
+
+def _target_only_levels(rows, tokens, tree, uniforms):
+    """``target_only`` level by level, probabilities only at the current nodes (CPU form).
+
+    Same test as ``_target_only`` restricted to each request's current node:
+    ``u_c * (S - sum of earlier siblings' p) < p[t_c]``, first passing sibling wins.
+    """
+    d, b = tree.max_depth, tree.num_requests
+    dev = tokens.device
+    fan = level_fanout(tree)
+    table = child_table(tree, max([1, *fan]))
+    tok = tokens.to(torch.int64)
+    u = uniforms.to(torch.float64)
+    cur = tree.cu_nodes[:-1].clone()
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    acc_len = torch.ones(b, dtype=torch.int64, device=dev)
+    nodes = torch.full((b, d + 1), -1, dtype=torch.int64, device=dev)
+    nodes[:, 0] = 0
+    toks = torch.full((b, d + 1), -1, dtype=torch.int64, device=dev)
+    p = rows(cur)
+    for level in range(d):
+        kids = table[cur, : max(1, fan[level])]
+        has = active[:, None] & (kids >= 0)
+        pt = torch.where(has, p.gather(1, tok[kids.clamp(min=0)]), 0.0)
+        mass = p.sum(-1, keepdim=True) - (torch.cumsum(pt, dim=1) - pt)
+        ok = has & (u[kids.clamp(min=0), 0] * mass < pt)
+        first = ok & (torch.cumsum(ok.to(torch.int64), dim=1) == 1)
+        hit = (first.to(torch.int64) * kids).sum(-1)
+        step = first.any(-1)
+        nodes[:, level + 1] = torch.where(step, hit - tree.cu_nodes[:-1], -1)
+        toks[:, level] = torch.where(step, tok[hit], -1)
+        acc_len = acc_len + step.to(torch.int64)
+        active = step
+        cur = torch.where(step, hit, cur)
+        p = torch.where(step[:, None], rows(cur), p)
+    p = _remove_children(p, table[cur], tok)
+    return _finish(acc_len, nodes, toks, sample_inverse_cdf(p, u[cur, 1]))
 
 
 def _draft_probs(rows, vocab, tokens, tree, uniforms, draft_probs):
@@ -276,16 +321,12 @@ def tree_walk(
         if logits.device.type == "cpu":
             return _greedy_levels(logits, tokens, tree)
         return greedy_from_argmax(torch.argmax(logits, dim=-1), tokens, tree)
-    if mode == "draft_probs":  # target probabilities of the visited nodes only
-        ids = torch.arange(tree.num_requests, device=logits.device)
-        return _draft_probs(
-            lambda cur: target_probs(logits[cur], ids, temperature, top_p),
-            logits.shape[1],
-            tokens,
-            tree,
-            uniforms,
-            draft_probs,
-        )
+    ids = torch.arange(tree.num_requests, device=logits.device)
+    rows = lambda cur: target_probs(logits[cur], ids, temperature, top_p)  # visited nodes only
+    if mode == "draft_probs":
+        return _draft_probs(rows, logits.shape[1], tokens, tree, uniforms, draft_probs)
+    if mode == "target_only" and logits.device.type == "cpu":
+        return _target_only_levels(rows, tokens, tree, uniforms)
     probs = target_probs(logits, tree.request_ids, temperature, top_p)
     return walk_from_probs(probs, tokens, tree, mode, uniforms, draft_probs)
 
