@@ -260,18 +260,28 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["dtype"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (dtype, batch) in zip(axes[0], panels, strict=True):
+    fig, axes = plt.subplots(
+        2, len(panels), figsize=(5.5 * len(panels), 8), squeeze=False, sharex="col"
+    )
+    for col, (dtype, batch) in enumerate(panels):
         sel = [r for r in rows if r["dtype"] == dtype and r["batch"] == batch]
         labels = [f"N={r['nodes']}\n{r['prefix'] // 1024}K" for r in sel]
+        x = range(len(sel))
+        top, bottom = axes[0][col], axes[1][col]
         for name in sel[0]["median_ms"]:
-            ax.plot(range(len(sel)), [r["median_ms"][name] for r in sel], "o-", label=name)
-        ax.set_xticks(range(len(sel)), labels, fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("median ms")
-        ax.set_title(f"{dtype}, batch {batch}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+            top.plot(x, [r["median_ms"][name] for r in sel], "o-", label=name, ms=3)
+        top.set_yscale("log")
+        top.set_ylabel("median ms")
+        top.set_title(f"{dtype}, batch {batch}")
+        top.legend(fontsize=7)
+        for key in [k for k in sel[0] if k.endswith("/dense_sdpa")]:
+            bottom.plot(x, [r[key] for r in sel], "o-", label=key, ms=3)
+        bottom.axhline(1.0, color="k", lw=0.8, ls="--")
+        bottom.set_ylabel("time / dense masked SDPA")
+        bottom.set_xticks(list(x), labels, fontsize=7)
+        bottom.legend(fontsize=7)
+        for ax in (top, bottom):
+            ax.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()

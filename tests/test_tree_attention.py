@@ -386,6 +386,18 @@ def test_torch_fallback_without_fused_cpu_kernel(monkeypatch):
     assert_matches_reference("torch", inputs)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_torch_long_prefix_in_pieces(monkeypatch, dtype: str):
+    """Long prefixes go through the fused kernel in pieces merged by LSE (tiny pieces here)."""
+    import kernels.torchops.tree_attention as mod
+
+    monkeypatch.setattr(mod, "_KV_SPLIT", 64)
+    inputs = make_inputs(
+        [random_tree(20, 8), random_tree(4, 9)], [700, 129], 2, 4, 64, DTYPES[dtype], 16
+    )
+    assert_matches_reference("torch", inputs)
+
+
 # ----------------------------------------------------------------------------- triton specifics
 @pytest.mark.parametrize("splits", [2, 5])
 def test_triton_split_prefix_matches_reference(splits: int):
