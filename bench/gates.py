@@ -1,0 +1,827 @@
+"""Stage gates: one benchmark with a threshold per serve-integration stage.
+
+    python -m bench.gates [--quick] [--config bench/gates.toml] [--out results/gates.json]
+                          [--tree SPEC] [--models DIR] [--kernel-backend NAME] [--random-tiny]
+
+Runs the stages in order and stops at the first failure, printing what it measured
+and the threshold (the stages after it are reported as never run):
+
+1. ``kernels``: every available backend of every op agrees with the reference on the
+   kernel report's cases (``bench/report.py``), and the torch backend of tree attention
+   is no slower than one dense masked SDPA (``bench/attention.py``), timed side by side.
+2. ``verify``: the engine's greedy output, with the configured tree policy, is token for
+   token the target's plain autoregressive greedy decoding (Hugging Face, dense
+   attention) on held-out prompts.
+3. ``propose``: dynamic top-K tau (tokens per target forward) is at least chain tau at
+   the same node budget, on held-out prompts with the trained models.
+4. ``serve``: ``serve.py`` in a subprocess on a free 127.0.0.1 port returns the offline
+   engine's greedy outputs over HTTP, and its throughput with the tree policy is at
+   least that of ``--tree none`` at concurrency 1 (servers measured side by side).
+
+Sizes and thresholds live in ``bench/gates.toml`` (``[quick.*]`` tables override them
+under ``--quick``). The model set, tree policy and drafter are chosen exactly as
+``serve.py`` chooses them from the same flags, so the report vouches for the server's
+configuration. Writes ``results/gates.json`` atomically after every stage::
+
+    {"stages": [{"name", "passed", "measured", "threshold", "detail", "seconds"}],
+     "config": {"tree", "drafter", "kernel_backend", "quick", ...},
+     "created": ISO time, "git_revision": sha}
+
+``passed`` is ``null`` for a stage that never ran; ``measured`` and ``threshold`` map
+each check of the stage to its value and to ``"<op> <value>"`` (e.g. ``">= 1.0"``).
+``serve.py`` reads this file at start-up and warns about failed or never-run gates.
+Exit status: 0 when every gate passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import math
+import operator
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from bench.io import atomic_write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = Path(__file__).with_name("gates.toml")
+DEFAULT_OUT = ROOT / "results" / "gates.json"
+STAGES = ("kernels", "verify", "propose", "serve")  # the order they run in (serve.py agrees)
+
+# --------------------------------------------------------------------------- config
+#: Every key of the config file and its type; a missing, unknown or mistyped key is an error.
+SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "run": {"models": str, "tree": str, "kernel_backend": str, "threads": int},
+    "kernels": {
+        "report_size": str,
+        "repeats": int,
+        "min_agree": float,
+        "shapes": list,
+        "dtypes": list,
+        "heads": list,
+        "seconds_per_shape": float,
+        "max_sdpa_ratio": float,
+    },
+    "verify": {"prompts": int, "prompt_tokens": int, "max_tokens": int, "min_identical": float},
+    "propose": {
+        "topk": str,
+        "fallback": str,
+        "prompts": int,
+        "prompt_tokens": int,
+        "max_tokens": int,
+        "min_tau_ratio": float,
+    },
+    "serve": {
+        "prompts": int,
+        "max_tokens": int,
+        "min_identical": float,
+        "rounds": int,
+        "requests_per_round": int,
+        "throughput_max_tokens": int,
+        "min_throughput_ratio": float,
+    },
+}
+
+
+class ConfigError(ValueError):
+    """The gates config file is missing, not TOML, or has a bad key or value."""
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
+
+
+def _check_table(path: Path, where: str, table: Any, required: bool) -> None:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [{where}] must be a table, got {type(table).__name__}")
+    section = where.removeprefix("quick.")
+    schema = SCHEMA[section]
+    for key, value in table.items():
+        if key not in schema:
+            raise ConfigError(
+                f"{path}: unknown key {key!r} in [{where}] (known: {', '.join(schema)})"
+            )
+        want = schema[key]
+        ok = isinstance(value, want) and not isinstance(value, bool)
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True  # 1 is as good as 1.0
+        if not ok:
+            raise ConfigError(
+                f"{path}: [{where}] {key} must be {_type_name(want)}, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        if isinstance(value, (int, float)) and value < 0:
+            raise ConfigError(f"{path}: [{where}] {key} must be >= 0, got {value!r}")
+    if required:
+        missing = [k for k in schema if k not in table]
+        if missing:
+            raise ConfigError(f"{path}: [{where}] lacks {', '.join(missing)}")
+
+
+def load_config(path: str | Path | None = None, quick: bool = False) -> dict[str, dict[str, Any]]:
+    """Read and check the gates config; with ``quick`` merge its ``[quick.*]`` tables over it.
+
+    Returns ``{section: {key: value}}`` for the sections of ``SCHEMA``. Raises
+    ``ConfigError`` (a ``ValueError``) naming the file and the bad section or key.
+    """
+    path = Path(DEFAULT_CONFIG if path is None else path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for name in raw:
+        if name not in SCHEMA and name != "quick":
+            raise ConfigError(
+                f"{path}: unknown section [{name}] (known: {', '.join([*SCHEMA, 'quick'])})"
+            )
+    for name in SCHEMA:
+        if name not in raw:
+            raise ConfigError(f"{path}: missing section [{name}]")
+        _check_table(path, name, raw[name], required=True)
+    overrides = raw.get("quick", {})
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{path}: [quick] must hold tables like [quick.serve]")
+    for name, table in overrides.items():
+        if name not in SCHEMA:
+            raise ConfigError(
+                f"{path}: unknown section [quick.{name}] (known: {', '.join(SCHEMA)})"
+            )
+        _check_table(path, f"quick.{name}", table, required=False)
+    cfg = {name: dict(raw[name]) for name in SCHEMA}
+    if quick:
+        for name, table in overrides.items():
+            cfg[name].update(table)
+    _check_values(path, cfg)
+    return cfg
+
+
+def _check_values(path: Path, cfg: dict[str, dict[str, Any]]) -> None:
+    k = cfg["kernels"]
+    if k["report_size"] not in ("small", "tiny"):
+        raise ConfigError(f"{path}: [kernels] report_size must be 'small' or 'tiny'")
+    for shape in k["shapes"]:
+        if not (
+            isinstance(shape, list)
+            and len(shape) == 3
+            and all(isinstance(x, int) and x >= 1 for x in shape)
+        ):
+            raise ConfigError(
+                f"{path}: [kernels] shapes must be [batch, nodes, prefix] lists of "
+                f"positive integers, got {shape!r}"
+            )
+    if not k["shapes"] or not k["dtypes"]:
+        raise ConfigError(f"{path}: [kernels] shapes and dtypes must not be empty")
+    for dt in k["dtypes"]:
+        if dt not in ("fp32", "bf16"):
+            raise ConfigError(f"{path}: [kernels] dtypes: {dt!r} is not 'fp32' or 'bf16'")
+    heads = k["heads"]
+    if not (len(heads) == 3 and all(isinstance(x, int) and x >= 1 for x in heads)):
+        raise ConfigError(f"{path}: [kernels] heads must be [q_heads, kv_heads, head_dim]")
+    if heads[0] % heads[1]:
+        raise ConfigError(f"{path}: [kernels] heads: {heads[0]} query heads not a multiple of KV")
+    for section, key in (
+        ("verify", "prompts"),
+        ("verify", "max_tokens"),
+        ("propose", "prompts"),
+        ("propose", "max_tokens"),
+        ("serve", "prompts"),
+        ("serve", "max_tokens"),
+        ("serve", "rounds"),
+        ("serve", "requests_per_round"),
+        ("serve", "throughput_max_tokens"),
+    ):
+        if cfg[section][key] < 1:
+            raise ConfigError(f"{path}: [{section}] {key} must be >= 1")
+
+
+# --------------------------------------------------------------------------- thresholds
+OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    "<=": operator.le,
+    "==": operator.eq,
+}
+
+
+def passes(measured: float | None, op: str, threshold: float) -> bool:
+    """``measured <op> threshold``; a missing or NaN measurement never passes."""
+    if op not in OPS:
+        raise ValueError(f"unknown comparison {op!r}; expected one of {list(OPS)}")
+    if measured is None or (isinstance(measured, float) and math.isnan(measured)):
+        return False
+    return bool(OPS[op](measured, threshold))
+
+
+@dataclass
+class Check:
+    """One measured value of a stage and the threshold it must meet."""
+
+    name: str
+    measured: float | None
+    op: str
+    threshold: float
+
+    @property
+    def passed(self) -> bool:
+        return passes(self.measured, self.op, self.threshold)
+
+    def describe(self) -> str:
+        m = "none" if self.measured is None else f"{self.measured:.4g}"
+        verdict = "ok" if self.passed else "FAILED"
+        return f"{self.name} = {m} (threshold {self.op} {self.threshold:g}): {verdict}"
+
+
+@dataclass
+class StageResult:
+    """One line of the report. ``passed`` is None when the stage never ran."""
+
+    name: str
+    passed: bool | None
+    measured: dict[str, float | None] | None
+    threshold: dict[str, str] | None
+    detail: dict[str, Any] = field(default_factory=dict)
+    seconds: float | None = None
+
+
+def stage_result(
+    name: str, checks: Sequence[Check], detail: dict[str, Any], seconds: float
+) -> StageResult:
+    """Fold a stage's checks into its report line; a stage with no check fails."""
+    if not checks:
+        detail = {**detail, "error": detail.get("error", "the stage measured nothing")}
+    return StageResult(
+        name=name,
+        passed=bool(checks) and all(c.passed for c in checks),
+        measured={c.name: c.measured for c in checks},
+        threshold={c.name: f"{c.op} {c.threshold:g}" for c in checks},
+        detail=detail,
+        seconds=round(seconds, 2),
+    )
+
+
+# --------------------------------------------------------------------------- context
+def _load_serve():
+    """``serve.py`` (a top-level script) as a module, to choose models exactly as it does."""
+    if "serve" in sys.modules:
+        return sys.modules["serve"]
+    spec = importlib.util.spec_from_file_location("serve", ROOT / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["serve"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@dataclass
+class Context:
+    """What the stages share: the resolved configuration and the models, loaded once.
+
+    ``serve_cfg`` is serve.py's ``ServeConfig`` for the same flags (tree, drafter, paths).
+    """
+
+    run: dict[str, Any]
+    quick: bool = False
+    log_dir: Path = ROOT / "results"
+    progress: bool = True
+    _serve_cfg: Any = None
+    _models: Any = None
+
+    def serve_argv(self, tree: str | None = None) -> list[str]:
+        argv = ["--kernel-backend", self.run["kernel_backend"]]
+        if self.run["models"]:
+            argv += ["--model", self.run["models"]]
+        spec = self.run["tree"] if tree is None else tree
+        if spec:
+            argv += ["--tree", spec]
+        if self.run["threads"]:
+            argv += ["--torch-threads", str(self.run["threads"])]
+        return argv
+
+    @property
+    def serve_cfg(self):
+        if self._serve_cfg is None:
+            if self.run["tree"]:
+                from tree_dev.spec import parse_tree_spec
+
+                parse_tree_spec(self.run["tree"])  # a clear ValueError before serve's parser
+            self._serve_cfg = _load_serve().resolve_config(self.serve_argv())
+        return self._serve_cfg
+
+    @property
+    def tree(self) -> str:
+        return self.serve_cfg.tree
+
+    def drafter(self) -> tuple[str, Path]:
+        """``(kind, path)`` of the drafter: serve.py's, or its default when the tree is none."""
+        cfg = self.serve_cfg
+        if cfg.drafter is None:  # --tree none: the drafter serve.py would pick for a tree
+            cfg = _load_serve().resolve_config(self.serve_argv(tree=""))
+        return cfg.drafter, cfg.drafter_path
+
+    def models(self) -> SimpleNamespace:
+        """``target``, ``draft`` / ``eagle`` (one of them None) and ``tokenizer``, fp32."""
+        if self._models is None:
+            import torch
+            from transformers import AutoTokenizer
+
+            from tree_dev.engine import load_causal_lm
+
+            cfg = self.serve_cfg
+            if not (cfg.model / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"no model at {cfg.model}: train the set (python -m tree_dev.models train), "
+                    "or give --models DIR, or --random-tiny"
+                )
+            target = load_causal_lm(cfg.model)
+            kind, path = self.drafter()
+            draft = eagle = None
+            if kind == "draft":
+                draft = load_causal_lm(path)
+            else:
+                from tree_dev.models.eagle import EagleHead
+
+                eagle = EagleHead.from_pretrained(path, target=target, torch_dtype=torch.float32)
+            tok_dir = cfg.tokenizer or cfg.model.parent / "tokenizer"
+            tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+            self._models = SimpleNamespace(
+                target=target, draft=draft, eagle=eagle, tokenizer=tokenizer, drafter=kind
+            )
+        return self._models
+
+    def report_config(self) -> dict[str, Any]:
+        cfg = self.serve_cfg
+        return {
+            "tree": cfg.tree,
+            "drafter": cfg.drafter,
+            "drafter_path": str(cfg.drafter_path) if cfg.drafter_path else None,
+            "model": str(cfg.model),
+            "kernel_backend": cfg.kernel_backend,
+            "quick": self.quick,
+        }
+
+
+# --------------------------------------------------------------------------- stages
+StageFn = Callable[[Context, dict[str, Any]], tuple[list[Check], dict[str, Any]]]
+
+
+def stage_kernels(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
+    """Backends vs the reference (kernel report), torch tree attention vs dense masked SDPA."""
+    import torch
+
+    from bench import attention
+    from bench.report import run_report
+
+    rows, info = run_report(cfg["report_size"], repeats=cfg["repeats"], progress=ctx.progress)
+    compared = [r for r in rows if r.status in ("ok", "mismatch", "error")]
+    bad = [r for r in compared if r.status != "ok"]
+    agree = (len(compared) - len(bad)) / len(compared) if compared else None
+    detail: dict[str, Any] = {
+        "backends": {k: v["available"] for k, v in info.items()},
+        "pairs_compared": len(compared),
+        "disagreeing": [f"{r.op} [{r.case}] {r.backend}: {r.status} {r.note}" for r in bad],
+        "not_compared": sorted({f"{r.backend}: {r.status}" for r in rows if r not in compared}),
+    }
+    checks = [Check("backends_agree", agree, ">=", cfg["min_agree"])]
+    if not checks[0].passed:  # stop here: timing a wrong kernel says nothing
+        return checks, detail
+
+    heads, kv_heads, head_dim = cfg["heads"]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    per_shape = []
+    for dt in cfg["dtypes"]:
+        for batch, nodes, prefix in cfg["shapes"]:
+            case = attention.make_case(
+                batch, nodes, prefix, heads, kv_heads, head_dim, dtypes[dt], "cpu"
+            )
+            fns = attention.methods(case, ["torch"])
+            fns = {k: fns[k] for k in ("torch", "dense_sdpa")}
+            row: dict[str, Any] = dict(dtype=dt, batch=batch, nodes=nodes, prefix=prefix)
+            try:
+                med = attention.time_cpu(
+                    fns, min_rounds=3, budget_s=cfg["seconds_per_shape"], clock="cpu"
+                )
+            except Exception as e:  # noqa: BLE001 - a backend that crashes fails the gate
+                row["error"] = f"{type(e).__name__}: {e}"
+            else:
+                row["torch_ms"], row["dense_sdpa_ms"] = med["torch"], med["dense_sdpa"]
+                row["ratio"] = med["torch"] / med["dense_sdpa"]
+            per_shape.append(row)
+            del case, fns
+    detail["sdpa_shapes"] = per_shape
+    errors = [s for s in per_shape if "error" in s]
+    ratios = [s["ratio"] for s in per_shape if "ratio" in s]
+    if errors:
+        detail["error"] = f"torch tree attention failed on {len(errors)} shape(s): " + (
+            f"{errors[0]['dtype']} B={errors[0]['batch']} N={errors[0]['nodes']} "
+            f"prefix={errors[0]['prefix']}: {errors[0]['error']}"
+        )
+    detail["sdpa_worst_ratio"] = max(ratios) if ratios else None
+    detail["sdpa_timing"] = (
+        f"median process CPU time, {torch.get_num_threads()} thread(s), heads "
+        f"{heads}/{kv_heads}x{head_dim}, interleaved rounds"
+    )
+    median = statistics.median(ratios) if ratios and not errors else None
+    checks.append(Check("torch_over_dense_sdpa", median, "<=", cfg["max_sdpa_ratio"]))
+    return checks, detail
+
+
+_CACHE_KW: str | None = None
+
+
+def _cache_kw() -> str:
+    """``cache`` (transformers >= 5.x) or ``past_key_values`` (older): the KV cache argument."""
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    params = inspect.signature(LlamaForCausalLM.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache(out):
+    return out["cache"] if "cache" in out.keys() else out["past_key_values"]
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Plain autoregressive greedy decoding with the model's own (dense) attention and KV cache."""
+    import torch
+
+    global _CACHE_KW
+    _CACHE_KW = _CACHE_KW or _cache_kw()
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        tokens = []
+        for _ in range(max_tokens):
+            nxt = int(out.logits[0, -1].argmax())
+            tokens.append(nxt)
+            if len(tokens) == max_tokens:
+                break
+            out = model(torch.tensor([[nxt]]), **{_CACHE_KW: _cache(out)}, use_cache=True)
+    return tokens
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def stage_verify(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
+    """Engine greedy output with the configured tree vs autoregressive decoding of the target."""
+    from tqdm import tqdm
+
+    from bench.e2e import held_out_prompts
+    from tree_dev.engine import Engine, SamplingParams, load_causal_lm
+
+    m = ctx.models()
+    prompts = held_out_prompts(m.tokenizer, cfg["prompts"], cfg["prompt_tokens"])
+    reference_model = load_causal_lm(ctx.serve_cfg.model)  # untouched attention implementation
+    want = [
+        greedy_reference(reference_model, p, cfg["max_tokens"])
+        for p in tqdm(prompts, desc="verify: autoregressive", disable=not ctx.progress)
+    ]
+    tree = ctx.tree
+    engine = Engine(
+        m.target,
+        None if tree == "none" else m.draft,
+        eagle=None if tree == "none" else m.eagle,
+        tree=tree,
+        max_batch=len(prompts),
+        max_model_len=cfg["prompt_tokens"] + cfg["max_tokens"] + 8,
+        kernel_backend=ctx.run["kernel_backend"],
+    )
+    got = engine.generate(prompts, SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=True))
+    same = [g == w for g, w in zip(got, want)]
+    detail = {
+        "tree": tree,
+        "prompts": len(prompts),
+        "max_tokens": cfg["max_tokens"],
+        "reference": "Hugging Face forward with its own attention and KV cache, argmax",
+        "differing_prompts": {
+            str(i): f"first difference at output token {_first_difference(g, w)}"
+            for i, (g, w, s) in enumerate(zip(got, want, same))
+            if not s
+        },
+        "tau": sum(len(g) for g in got) / max(1, engine.forwards["target"]),
+    }
+    return [Check("identical_fraction", sum(same) / len(same), ">=", cfg["min_identical"])], detail
+
+
+def propose_specs(tree: str, topk: str, fallback: str) -> tuple[str, str, int]:
+    """``(top-K spec, chain spec, budget)``: the top-K policy to gate and a chain of its budget.
+
+    ``topk`` (when given), else ``tree`` when it is a top-K policy, else ``fallback``.
+    """
+    from tree_dev.spec import TopKPolicy, parse_tree_spec
+
+    for spec in (topk, tree if tree.startswith("topk") else "", fallback):
+        if spec:
+            policy = parse_tree_spec(spec)
+            if not isinstance(policy, TopKPolicy):
+                raise ValueError(f"propose: {spec!r} is not a top-K policy (topk:k=,depth=,...)")
+            return spec, f"chain:{policy.budget}", policy.budget
+    raise ValueError("propose: no top-K policy configured")
+
+
+def stage_propose(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
+    """Dynamic top-K tau vs chain tau at the same node budget (held-out prompts, batch 1)."""
+    from bench.e2e import held_out_prompts, run_policy
+
+    m = ctx.models()
+    topk, chain, budget = propose_specs(ctx.tree, cfg["topk"], cfg["fallback"])
+    prompts = held_out_prompts(m.tokenizer, cfg["prompts"], cfg["prompt_tokens"])
+    backend = ctx.run["kernel_backend"]
+    runs = {
+        name: run_policy(m, spec, m.drafter, prompts, cfg["max_tokens"], backend)
+        for name, spec in (("topk", topk), ("chain", chain))
+    }
+    detail = {
+        "drafter": m.drafter,
+        "budget": budget,
+        "prompts": len(prompts),
+        "max_tokens": cfg["max_tokens"],
+    }
+    for name, r in runs.items():
+        detail[name] = {
+            "spec": r["spec"],
+            "tau": r["tau"],
+            "tokens_per_s": r["tokens_per_s"],
+            "acceptance_per_depth": r["acceptance_per_depth"],
+        }
+    ratio = runs["topk"]["tau"] / runs["chain"]["tau"]
+    return [Check("topk_over_chain_tau", ratio, ">=", cfg["min_tau_ratio"])], detail
+
+
+async def _http_greedy(base: str, model: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Non-streaming greedy completions of every prompt, sent concurrently."""
+    import httpx
+
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+
+        async def one(prompt: str) -> dict:
+            r = await client.post("/v1/completions", json={**body, "prompt": prompt})
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            return r.json()
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
+    """serve.py over HTTP: greedy outputs vs the offline engine, throughput tree vs none."""
+    from bench.serve_load import ServerProcess, make_prompts, run_level
+
+    scfg = ctx.serve_cfg
+    serve = _load_serve()
+    texts = make_prompts(max(cfg["prompts"], cfg["requests_per_round"] * 2))
+    # The offline engine built by serve.py's own loader from the same configuration.
+    engine, tokenizer = serve.load_engine(scfg)
+    from tree_dev.engine import SamplingParams
+
+    offline_prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    offline = engine.generate(
+        offline_prompts[: cfg["prompts"]],
+        SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=True),
+    )
+    del engine
+    # Every choice of serve.py pinned explicitly: both servers run what the report names.
+    common = ["--model", str(scfg.model), "--kernel-backend", scfg.kernel_backend]
+    common += ["--max-batch", str(max(4, cfg["prompts"]))]
+    if scfg.tokenizer is not None:
+        common += ["--tokenizer", str(scfg.tokenizer)]
+    if ctx.run["threads"]:
+        common += ["--torch-threads", str(ctx.run["threads"])]
+    tree_argv = ["--tree", scfg.tree]
+    if scfg.drafter is not None:
+        flag = "--eagle-head" if scfg.drafter == "eagle" else "--draft-model"
+        tree_argv += [flag, str(scfg.drafter_path)]
+    ctx.log_dir.mkdir(parents=True, exist_ok=True)
+    servers: dict[str, ServerProcess] = {}
+    detail: dict[str, Any] = {"tree": scfg.tree, "drafter": scfg.drafter}
+    try:
+        for name, argv in (("tree", tree_argv), ("none", ["--tree", "none"])):
+            servers[name] = ServerProcess(common + argv, ctx.log_dir / f"gates.serve-{name}.log")
+        infos = {name: s.wait_ready() for name, s in servers.items()}
+        detail["server_tree"] = infos["tree"].get("treespec", {}).get("tree")
+        detail["server_logs"] = [str(s.log_path) for s in servers.values()]
+        replies = asyncio.run(
+            _http_greedy(
+                servers["tree"].base,
+                infos["tree"]["id"],
+                texts[: cfg["prompts"]],
+                cfg["max_tokens"],
+            )
+        )
+        got = [r["choices"][0]["token_ids"] for r in replies]
+        same = [g == w for g, w in zip(got, offline)]
+        detail["differing_prompts"] = {
+            str(i): f"first difference at output token {_first_difference(g, w)}"
+            for i, (g, w, s) in enumerate(zip(got, offline, same))
+            if not s
+        }
+        checks = [
+            Check("http_identical_fraction", sum(same) / len(same), ">=", cfg["min_identical"])
+        ]
+        if not checks[0].passed:
+            return checks, detail
+        tps: dict[str, list[float]] = {"tree": [], "none": []}
+        taus: list[float] = []
+        for name, s in servers.items():  # warm-up
+            asyncio.run(run_level(s.base, infos[name]["id"], 1, 1, texts, 8))
+        for _ in range(cfg["rounds"]):
+            for name, s in servers.items():
+                lv = asyncio.run(
+                    run_level(
+                        s.base,
+                        infos[name]["id"],
+                        1,
+                        cfg["requests_per_round"],
+                        texts,
+                        cfg["throughput_max_tokens"],
+                    )
+                )
+                tps[name].append(lv["throughput_tok_s"])
+                if name == "tree" and lv["acceptance_length"]:
+                    taus.append(lv["acceptance_length"])
+        med = {k: statistics.median(v) for k, v in tps.items()}
+        detail["throughput_tok_s"] = {k: [round(x, 2) for x in v] for k, v in tps.items()}
+        detail["throughput_median_tok_s"] = med
+        detail["acceptance_length"] = statistics.median(taus) if taus else None
+        detail["throughput_setup"] = (
+            f"concurrency 1, {cfg['rounds']} interleaved rounds of "
+            f"{cfg['requests_per_round']} streaming requests x {cfg['throughput_max_tokens']} "
+            "tokens per server; median tokens/s"
+        )
+        checks.append(
+            Check(
+                "tree_over_none_throughput",
+                med["tree"] / med["none"],
+                ">=",
+                cfg["min_throughput_ratio"],
+            )
+        )
+        return checks, detail
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+STAGE_FNS: dict[str, StageFn] = {
+    "kernels": stage_kernels,
+    "verify": stage_verify,
+    "propose": stage_propose,
+    "serve": stage_serve,
+}
+
+
+# --------------------------------------------------------------------------- running
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def make_report(results: Sequence[StageResult], config: dict[str, Any]) -> dict[str, Any]:
+    """The JSON report: every stage in order (never-run ones with ``passed: null``)."""
+    done = {r.name for r in results}
+    stages = [asdict(r) for r in results]
+    stages += [asdict(StageResult(n, None, None, None)) for n in STAGES if n not in done]
+    return {
+        "stages": stages,
+        "config": config,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": git_revision(),
+    }
+
+
+def run_gates(
+    ctx: Context,
+    cfg: dict[str, dict[str, Any]],
+    out: Path | None = None,
+    stage_fns: dict[str, StageFn] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[StageResult]:
+    """Run the stages in ``STAGES`` order, stopping at the first failure.
+
+    A stage that raises fails with the error in ``detail``. The report is written
+    to ``out`` (atomically) before the first stage and after every stage.
+    """
+    fns = STAGE_FNS if stage_fns is None else stage_fns
+    try:
+        config = ctx.report_config()
+    except Exception as e:  # noqa: BLE001 - e.g. a bad tree spec: reported, not a traceback
+        config = {"tree": ctx.run["tree"] or None, "kernel_backend": ctx.run["kernel_backend"]}
+        config |= {"quick": ctx.quick, "error": f"{type(e).__name__}: {e}"}
+    results: list[StageResult] = []
+    if out is not None:
+        atomic_write_json(out, make_report(results, config))
+    for name in STAGES:
+        log(f"[{name}] running ...")
+        start = time.perf_counter()
+        try:
+            checks, detail = fns[name](ctx, cfg[name])
+        except Exception as e:  # noqa: BLE001 - a crashed stage is a failed gate, with the reason
+            checks = []
+            detail = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=-6),
+            }
+        result = stage_result(name, checks, detail, time.perf_counter() - start)
+        results.append(result)
+        if out is not None:
+            atomic_write_json(out, make_report(results, config))
+        for c in checks:
+            log(f"[{name}]   {c.describe()}")
+        if result.passed:
+            log(f"[{name}] PASSED in {result.seconds:.1f} s")
+            continue
+        failed = [c for c in checks if not c.passed]
+        if failed:
+            c = failed[0]
+            why = f"measured {c.name} = {c.measured!r}, threshold {c.op} {c.threshold:g}"
+        else:
+            why = detail.get("error", "no measurement")
+        log(f"[{name}] FAILED in {result.seconds:.1f} s: {why}")
+        rest = [n for n in STAGES if n not in {r.name for r in results}]
+        if rest:
+            log(f"stopping at the first failure; not run: {', '.join(rest)}")
+        break
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gates", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the [quick.*] sizes (about 2 min)")
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--tree", help="tree policy (default: [run] tree, else serve.py's)")
+    ap.add_argument("--models", help="model set directory (default: [run] models, else serve.py's)")
+    ap.add_argument("--kernel-backend", help="default: [run] kernel_backend")
+    ap.add_argument(
+        "--random-tiny",
+        action="store_true",
+        help="a tiny random model set in a temporary directory (smoke run; figures mean nothing)",
+    )
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, quick=args.quick)
+    except ConfigError as e:
+        ap.error(str(e))
+    run = dict(cfg["run"])
+    for key in ("tree", "models", "kernel_backend"):
+        if getattr(args, key) is not None:
+            run[key] = getattr(args, key)
+    import torch
+
+    if run["threads"]:
+        torch.set_num_threads(run["threads"])
+    tmp = None
+    if args.random_tiny:
+        from bench.serve_load import write_random_tiny
+
+        tmp = tempfile.TemporaryDirectory(prefix="gates-tiny-")
+        run["models"] = str(write_random_tiny(Path(tmp.name)))
+    ctx = Context(run, quick=args.quick, log_dir=args.out.parent, progress=not args.no_progress)
+    start = time.perf_counter()
+    try:
+        results = run_gates(ctx, cfg, args.out)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    ok = len(results) == len(STAGES) and all(r.passed for r in results)
+    print(
+        f"gates: {'ALL PASSED' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s; "
+        f"wrote {args.out}"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
