@@ -413,6 +413,21 @@ def test_triton_split_prefix_matches_reference(splits: int):
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [64, 80])
+def test_triton_small_tiles(d: int):
+    """16/32-wide tiles: many query blocks, prefix tiles + tail, tree tiles across words;
+    a head dim that is not a power of two (masked lanes)."""
+    from kernels.triton.tree_attention import _tree_attention
+
+    inputs = make_inputs(
+        [random_tree(70, 10, width=4), random_tree(3, 11)], [77, 130], 1, 2, d, torch.float32, 16
+    )
+    out, lse = _tree_attention(**inputs, return_lse=True, config=(32, 16, 4, 1))
+    ref_out, ref_lse = reference.tree_attention(**inputs, return_lse=True)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- CUDA
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

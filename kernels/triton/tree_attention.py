@@ -125,16 +125,14 @@ def _tree_attn_fwd(
         pos = s + tl.arange(0, BLOCK_N)
         slot = tl.load(bt_row + pos // block_size).to(tl.int64)
         off = pos % block_size
-        k = tl.load(
-            k_head + slot[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :],
-            mask=d_ok[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_head + slot[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :],
-            mask=d_ok[None, :],
-            other=0.0,
-        )
+        k_ptr = k_head + slot[:, None] * stride_kb + off[:, None] * stride_ks + d[None, :]
+        v_ptr = v_head + slot[:, None] * stride_vb + off[:, None] * stride_vs + d[None, :]
+        if BLOCK_D == HEAD_DIM:  # no mask at all on the hot loop
+            k = tl.load(k_ptr)
+            v = tl.load(v_ptr)
+        else:
+            k = tl.load(k_ptr, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr, mask=d_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
