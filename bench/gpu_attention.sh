@@ -23,11 +23,11 @@ unset TRITON_INTERPRET
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
 echo "== 1/3 CUDA tests"
-timeout 150 "$PY" -m pytest -q -m gpu tests/test_tree_attention.py -p no:cacheprovider
+timeout 110 "$PY" -m pytest -q -m gpu tests/test_tree_attention.py -p no:cacheprovider
 
 echo "== 2/3 + 3/3 sweep at the goal shape, then the benchmark grid"
 mkdir -p results
-timeout 240 "$PY" -m bench.attention --device cuda --sweep "$@" | tee results/gpu_attention.log
+timeout 180 "$PY" -m bench.attention --device cuda --sweep "$@" | tee results/gpu_attention.log
 
 echo "== goal figures (Triton N=64 @ 8K prefix)"
 grep -E "^(GOAL|SWEEP)" results/gpu_attention.log || true
