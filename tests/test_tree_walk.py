@@ -376,8 +376,10 @@ def test_walk_is_lossless(backend, mode, temperature, top_p):
     first = one_step(backend, mode, tree, roots, target, draft, temperature, top_p, gen)
     t1 = first.output_tokens[:, 0]
     # the second emitted token: from the same step, or the first of a real next step
-    second = one_step(backend, mode, tree, t1, target, draft, temperature, top_p, gen)
-    t2 = torch.where(first.accepted_len >= 2, first.output_tokens[:, 1], second.output_tokens[:, 0])
+    t2 = first.output_tokens[:, 1].clone()
+    stopped = first.accepted_len == 1  # these need a real next step, rooted at t1
+    second = one_step(backend, mode, tree, t1[stopped], target, draft, temperature, top_p, gen)
+    t2[stopped] = second.output_tokens[:, 0]
     ids = torch.zeros(VOCAB, dtype=torch.int64)
     probs = reference.target_probs(target, ids, temperature, top_p).numpy()  # [prev, next]
     p_first = chi_square_p(np.bincount(t1.numpy(), minlength=VOCAB), probs[START])
