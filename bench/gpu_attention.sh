@@ -23,11 +23,15 @@ unset TRITON_INTERPRET
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
 echo "== 1/3 CUDA tests"
-timeout 110 "$PY" -m pytest -q -m gpu tests/test_tree_attention.py -p no:cacheprovider
+tests_rc=0
+timeout 110 "$PY" -m pytest -q -m gpu tests/test_tree_attention.py -p no:cacheprovider || tests_rc=$?
 
 echo "== 2/3 + 3/3 sweep at the goal shape, then the benchmark grid"
 mkdir -p results
-timeout 180 "$PY" -m bench.attention --device cuda --sweep "$@" | tee results/gpu_attention.log
+timeout 180 "$PY" -m bench.attention --device cuda --sweep "$@" | tee results/gpu_attention.log \
+  || echo "benchmark stopped early (timeout or error); partial rows in results/attention_cuda.json"
 
 echo "== goal figures (Triton N=64 @ 8K prefix)"
 grep -E "^(GOAL|SWEEP)" results/gpu_attention.log || true
+if [[ $tests_rc != 0 ]]; then echo "CUDA tests FAILED (rc=$tests_rc)" >&2; fi
+exit "$tests_rc"
