@@ -29,13 +29,14 @@ from tree_dev.tree import TokenTree, TreeBatch
 BACKENDS = ["torch", "triton", "nki"]
 MODES = ["greedy", "target_only", "draft_probs"]
 # examples: hypothesis runs per mode; max_nodes / max_batch: largest tree / batch drawn;
+# big_nodes: the largest tree of the big-tree test (several 64-bit mask words);
 # draws: requests of the chi-square tests (the issue asks >= 20,000 on torch; the
 # interpreted backends pay per request, their exactness is checked above). Off torch,
 # only one temperature/top-p setting of the lossless test runs by default (others: slow).
 LIMITS = {
-    "torch": dict(examples=30, max_nodes=48, max_batch=6, draws=20_000),
-    "triton": dict(examples=12, max_nodes=24, max_batch=4, draws=300),
-    "nki": dict(examples=6, max_nodes=16, max_batch=3, draws=300),
+    "torch": dict(examples=30, max_nodes=48, max_batch=6, draws=20_000, big_nodes=300),
+    "triton": dict(examples=12, max_nodes=24, max_batch=4, draws=300, big_nodes=200),
+    "nki": dict(examples=6, max_nodes=16, max_batch=3, draws=300, big_nodes=128),
 }
 VOCABS = [16, 61, 256, 1000]
 
@@ -168,6 +169,34 @@ def test_walk_equals_reference_on_the_medusa_tree(backend, mode):
     assert_same(got, want)
     if mode != "greedy":
         assert int(want.accepted_len.max()) >= 2  # the walk went below the root
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_walk_equals_reference_on_big_trees(backend, mode):
+    # more than 64 nodes: several packed mask words, wide and deep trees in one batch
+    n = LIMITS[backend]["big_nodes"]
+    for seed, width in ((0, None), (1, 2), (2, 40)):
+        tb = TreeBatch([random_tree(n, seed, width), random_tree(n // 2, seed + 7, None)])
+        gen = torch.Generator().manual_seed(seed)
+        t = tb.total_nodes
+        logits = torch.randn(t, 500, generator=gen) * 8
+        q = torch.softmax(logits * 0.8 + torch.randn(t, 500, generator=gen), -1)
+        src = q if mode == "draft_probs" else torch.softmax(logits, -1)
+        kmax = int(tb.sibling_rank.max()) + 1
+        case = dict(
+            logits=logits,
+            tokens=child_tokens(tb, gumbel_top_k(src, kmax, gen)),
+            tree=tb,
+            mode=mode,
+            uniforms=None if mode == "greedy" else torch.rand(t, 2, generator=gen),
+            draft_probs=q if mode == "draft_probs" else None,
+            temperature=torch.tensor([0.9, 1.3]),
+            top_p=torch.tensor([0.95, 1.0]),
+        )
+        want = ref_walk(case)
+        assert int(want.accepted_len.max()) >= 3  # the walk goes deep
+        assert_same(walk(case, backend), want)
 
 
 @pytest.mark.parametrize("mode", ["target_only", "draft_probs"])
