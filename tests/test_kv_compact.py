@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from kernels import reference
@@ -206,6 +207,31 @@ def test_kv_compact_of_a_walk_result(backend):
         assert torch.equal(k[r, : int(new[r])], torch.cat([k0[r, : int(plens[r])], k0[r, src]]))
         assert torch.equal(v[r, int(plens[r]) : int(new[r])], v0[r, src])
         assert torch.equal(k[r, int(new[r]) :], k0[r, int(new[r]) :])  # the rest is untouched
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on ops that read data back to the host or have data-dependent shapes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if name.startswith(("_local_scalar_dense", "nonzero", "masked_select", "unique")):
+            raise AssertionError(f"host synchronisation inside kv_compact: aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_torch_kv_compact_has_no_host_sync(paged):
+    from kernels.torchops.kv_compact import kv_compact
+
+    case = make_case(3, LIMITS["torch"], paged, 2, torch.float32)
+    want = compact(case, "reference")
+    k, v = case["k_cache"].clone(), case["v_cache"].clone()
+    rest = [case[n] for n in ("prefix_lens", "accepted_nodes", "accepted_len", "block_table")]
+    with NoHostSync():
+        new = kv_compact(k, v, *rest)
+    assert torch.equal(k, want[0]) and torch.equal(v, want[1]) and torch.equal(new, want[2])
+    with pytest.raises(AssertionError, match="host synchronisation"), NoHostSync():
+        reference.kv_compact(k, v, *rest)  # the mode catches the reference's int() reads
 
 
 @pytest.mark.gpu
