@@ -435,6 +435,11 @@ def stage_kernels(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[
             f"prefix={errors[0]['prefix']}: {errors[0]['error']}"
         )
     detail["sdpa_worst_ratio"] = max(ratios) if ratios else None
+    detail["summary"] = "torch / dense masked SDPA per shape: " + ", ".join(
+        f"{r['dtype']} B{r['batch']} N{r['nodes']} {r['prefix']}: "
+        + (f"{r['ratio']:.2f}" if "ratio" in r else "error")
+        for r in per_shape
+    )
     detail["sdpa_timing"] = (
         f"median process CPU time, {torch.get_num_threads()} thread(s), heads "
         f"{heads}/{kv_heads}x{head_dim}, interleaved rounds"
@@ -524,6 +529,10 @@ def stage_verify(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[s
         },
         "tau": sum(len(g) for g in got) / max(1, engine.forwards["target"]),
     }
+    detail["summary"] = (
+        f"{sum(same)}/{len(same)} prompts identical ({tree}, {cfg['max_tokens']} tokens each, "
+        f"tau {detail['tau']:.2f})"
+    )
     return [Check("identical_fraction", sum(same) / len(same), ">=", cfg["min_identical"])], detail
 
 
@@ -569,6 +578,10 @@ def stage_propose(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[
             "acceptance_per_depth": r["acceptance_per_depth"],
         }
     ratio = runs["topk"]["tau"] / runs["chain"]["tau"]
+    detail["summary"] = (
+        f"{m.drafter} drafter, budget {budget}: tau {topk} = {runs['topk']['tau']:.3f}, "
+        f"{chain} = {runs['chain']['tau']:.3f}"
+    )
     return [Check("topk_over_chain_tau", ratio, ">=", cfg["min_tau_ratio"])], detail
 
 
@@ -669,6 +682,11 @@ def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[st
         detail["throughput_tok_s"] = {k: [round(x, 2) for x in v] for k, v in tps.items()}
         detail["throughput_median_tok_s"] = med
         detail["acceptance_length"] = statistics.median(taus) if taus else None
+        detail["summary"] = (
+            f"{sum(same)}/{len(same)} HTTP outputs identical; tokens/s at concurrency 1: "
+            f"tree {med['tree']:.1f} vs none {med['none']:.1f} (server tau "
+            f"{detail['acceptance_length'] or 0:.2f})"
+        )
         detail["throughput_setup"] = (
             f"concurrency 1, {cfg['rounds']} interleaved rounds of "
             f"{cfg['requests_per_round']} streaming requests x {cfg['throughput_max_tokens']} "
@@ -683,9 +701,20 @@ def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[st
             )
         )
         return checks, detail
+    except Exception as e:
+        tails = "".join(_log_tail(s.log_path) for s in servers.values())
+        raise RuntimeError(f"{e}{tails}") from e
     finally:
         for s in servers.values():
             s.stop()
+
+
+def _log_tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"\n--- last lines of {path}:\n" + "\n".join(text) if text else ""
 
 
 STAGE_FNS: dict[str, StageFn] = {
@@ -758,6 +787,8 @@ def run_gates(
             atomic_write_json(out, make_report(results, config))
         for c in checks:
             log(f"[{name}]   {c.describe()}")
+        if detail.get("summary"):
+            log(f"[{name}]   {detail['summary']}")
         if result.passed:
             log(f"[{name}] PASSED in {result.seconds:.1f} s")
             continue
@@ -790,6 +821,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.tree:
+        from tree_dev.spec import parse_tree_spec
+
+        try:
+            parse_tree_spec(args.tree)
+        except ValueError as e:
+            ap.error(f"argument --tree: {e}")
     try:
         cfg = load_config(args.config, quick=args.quick)
     except ConfigError as e:

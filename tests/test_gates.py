@@ -368,3 +368,11 @@ def test_kernels_stage_fails_on_a_disagreeing_backend_without_timing(ctx, monkey
     n = detail["pairs_compared"]
     assert checks[0].measured == pytest.approx((n - 1) / n) and not checks[0].passed
     assert len(detail["disagreeing"]) == 1 and "off by one" in detail["disagreeing"][0]
+
+
+def test_cli_rejects_a_bad_tree_before_running_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        gates.main(["--tree", "chain:x", "--out", str(tmp_path / "g.json")])
+    assert info.value.code == 2
+    assert "argument --tree" in capsys.readouterr().err
+    assert not (tmp_path / "g.json").exists()
