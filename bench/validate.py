@@ -284,9 +284,9 @@ def dense_tree_decode(model, cap: ModelCapture, rec: RequestStep, step: int, ind
         stack.extend(reversed(kids.get(n, [])))
 
 
-def dense_model(target, dtype: torch.dtype):
-    """A copy of ``target`` in ``dtype`` with Hugging Face's own attention."""
-    m = copy.deepcopy(target).to(dtype).eval()
+def dense_model(target, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    """A copy of ``target`` in ``dtype`` on ``device`` with Hugging Face's own attention."""
+    m = copy.deepcopy(target).to(device, dtype).eval()
     if m.config._attn_implementation not in ("sdpa", "eager"):
         m.set_attn_implementation("sdpa")
     return m
@@ -414,6 +414,7 @@ def validate(
     threshold: float = FP32_THRESHOLD,
     kernel_backend: str = "auto",
     config: DynamicThresholdConfig | None = None,
+    device: str | torch.device = "cpu",
 ) -> ValidationResult:
     """Run the engine on ``prompts`` for ``steps`` verify steps and validate each
     tree verification forward against dense decoding of the same model.
@@ -426,6 +427,8 @@ def validate(
         dtype: ``"fp32"`` (two-way, ``threshold`` on relative L-inf per node) or
             ``"bf16"`` (three-way against the fp32 dense baseline, ``config``).
         out_dir: captures go to ``out_dir/captures/{engine,dense_fp32,dense_bf16}``.
+        device: where the engine and the dense references run (``"cuda"``: the engine's
+            ``"auto"`` kernels are Triton).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -437,8 +440,8 @@ def validate(
     for sub in ("engine", "dense_fp32", "dense_bf16"):  # no stale passes of an earlier run
         shutil.rmtree(cap_root / sub, ignore_errors=True)
     # engine: copies in the engine dtype (the engine switches its target to "treespec")
-    eng_target = copy.deepcopy(target).to(tdtype).eval()
-    eng_draft = copy.deepcopy(draft).to(tdtype).eval() if draft is not None else None
+    eng_target = copy.deepcopy(target).to(device, tdtype).eval()
+    eng_draft = copy.deepcopy(draft).to(device, tdtype).eval() if draft is not None else None
     engine = Engine(
         eng_target,
         eng_draft,
@@ -453,7 +456,7 @@ def validate(
     dense_dtypes = ["fp32"] if dtype == "fp32" else ["fp32", "bf16"]
     dense_passes = {}
     for dd in dense_dtypes:
-        model = dense_model(target, DTYPES[dd])
+        model = dense_model(target, DTYPES[dd], device)
         cap = _new_capture(model, modules, cap_root / f"dense_{dd}", model)
         work = [(s, r, rec) for s, recs in enumerate(records) for r, rec in enumerate(recs)]
         for s, r, rec in tqdm(work, desc=f"dense {dd}", leave=False):
@@ -758,6 +761,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: shared CPU)")
     ap.add_argument("--threshold", type=float, default=FP32_THRESHOLD, help="fp32 rel. L-inf")
     ap.add_argument("--backend", default="auto", help="kernels backend of the engine")
+    ap.add_argument("--device", default="cpu", help="torch device (cuda: Triton kernels)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--full", action="store_true", help="print every node row")
     return ap
@@ -788,6 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir=out,
         threshold=args.threshold,
         kernel_backend=args.backend,
+        device=args.device,
     )
     elapsed = time.perf_counter() - t0
     print_report(res, full=args.full)

@@ -78,6 +78,17 @@ def test_cli_passes_on_the_real_engine(tmp_path, capsys):
     assert (out / "errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("backend", ["triton", "nki"])
+def test_other_kernel_backends_pass(pair, tmp_path, backend):
+    """The engine on the Triton (CPU interpreter) and NKI (NumPy executor) kernels."""
+    target, draft = pair
+    res = validate(
+        target, draft, make_prompts(2), tree=TREE, steps=1, out_dir=tmp_path, kernel_backend=backend
+    )
+    assert res.passed, res.first_divergence
+    assert max(res.per_module().values()) < 1e-5
+
+
 @pytest.mark.parametrize(
     "dtype, bug", [("fp32", "sibling"), ("fp32", "no_ancestors"), ("bf16", "sibling")]
 )
