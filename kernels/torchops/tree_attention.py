@@ -5,17 +5,18 @@ Per request, the ``n`` tree nodes' queries attend to
 * the prefix (positions ``0..P-1``): every node sees all of it, so this is plain,
   unmasked attention, done by PyTorch's fused flash kernel for the CPU
   (``aten._scaled_dot_product_flash_attention_for_cpu``, which also returns the
-  log-sum-exp); on other devices, or torch builds without it, by an fp32 matmul
-  pass chunked over the prefix;
-* the tree block (positions ``P..P+n-1``): an ``[n, n]`` score matrix with the
-  ancestor mask unpacked from ``tree.packed_mask``;
+  log-sum-exp), in 2K-token pieces on long prefixes; on other devices, or torch
+  builds without it, by fp32 matmuls chunked over the prefix;
+* the tree block (positions ``P..P+n-1``): the same fused kernel with a small
+  ``[n, n]`` additive mask unpacked from ``tree.packed_mask`` (shared by all heads);
 
-and the two partial results are merged by log-sum-exp. No ``[n, P + n]`` mask is
-ever built. GQA: the ``G = Hq / Hkv`` query heads of a KV head are folded into the
-query-row dimension (``[Hkv, n * G, D]``), so each K/V row is read once per KV head,
-never expanded. Requests with the same ``(prefix length, tree size)`` are batched
-into one prefix call; contiguous caches and consecutive paged blocks are read as
-strided views, other paged layouts are gathered once.
+and the partial results are merged by log-sum-exp. No ``[n, P + n]`` mask is ever
+built. GQA: for the prefix, the ``G = Hq / Hkv`` query heads of a KV head are
+stacked as one block of ``G * n`` query rows (``[R, Hkv, G * n, D]``), so each
+K/V tile is shared by all of them and never expanded. Requests with the same
+``(prefix length, tree size)`` go through one kernel call; contiguous caches and
+consecutive paged blocks are read as strided views, other paged layouts are
+gathered once into a reused workspace.
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ def _workspace(slot: str, numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
+def _kv_window(cache: torch.Tensor, r0: int, count: int, start: int, length: int) -> torch.Tensor:
+    """``cache[r0:r0+count, start:start+length].transpose(1, 2)`` of a contiguous
+    ``[B, S, Hkv, D]`` cache as one strided view: ``[count, Hkv, length, D]``."""
+    sb, ss, sh, sd = cache.stride()
+    return cache.as_strided(
+        (count, cache.shape[2], length, cache.shape[3]),
+        (sb, sh, ss, sd),
+        cache.storage_offset() + r0 * sb + start * ss,
+    )
+
+
 def _prefix_kv(
     cache: torch.Tensor,
     block_table: torch.Tensor | None,
@@ -74,10 +86,10 @@ def _prefix_kv(
 ) -> torch.Tensor:
     """Prefix K or V of requests ``reqs``: ``[R, Hkv, plen, D]`` (a view when possible)."""
     r0, count = reqs[0], len(reqs)
-    consecutive = reqs == list(range(r0, r0 + count))
     if block_table is None:
-        rows = cache[r0 : r0 + count] if consecutive else cache[reqs]
-        return rows[:, :plen].transpose(1, 2)
+        if reqs == list(range(r0, r0 + count)):
+            return _kv_window(cache, r0, count, 0, plen)
+        return cache[reqs][:, :plen].transpose(1, 2)
     bs, h, d = cache.shape[1:]
     nblk = (plen + bs - 1) // bs
     blocks = block_table[reqs, :nblk].to(torch.int64)
@@ -98,7 +110,7 @@ def _tree_kv(
     """The tree nodes' K or V of requests ``reqs``: ``[R, Hkv, n, D]`` (a view when possible)."""
     r0, count = reqs[0], len(reqs)
     if block_table is None and reqs == list(range(r0, r0 + count)):
-        return cache[r0 : r0 + count, plen : plen + n].transpose(1, 2)
+        return _kv_window(cache, r0, count, plen, n)
     pos = torch.arange(plen, plen + n, device=cache.device)
     bs = cache.shape[1]
     if block_table is None:  # contiguous [B, S, ...] viewed as [B*S, ...]
@@ -218,9 +230,11 @@ def tree_attention(
         out_t, lse_t = _attend(qh, kt, vt, bias, scale)  # tree block, [R, Hq, n, *]
 
         # Merge in [R, Hkv, G, n, (D)] views of every operand: no copies.
-        if isinstance(rows, slice):  # write straight into the outputs
-            dst = out[rows].view(count, n, hkv, g, d).permute(0, 2, 3, 1, 4)
-            dst_lse = lse[rows].view(count, n, hkv, g).permute(0, 2, 3, 1)
+        if isinstance(rows, slice):  # write straight into the outputs (fresh, contiguous)
+            dst = out.as_strided(
+                (count, hkv, g, n, d), (n * hq * d, g * d, d, hq * d, 1), first * hq * d
+            )
+            dst_lse = lse.as_strided((count, hkv, g, n), (n * hq, g, 1, hq), first * hq)
         else:
             dst = torch.empty(count, hkv, g, n, d, dtype=q.dtype, device=q.device)
             dst_lse = torch.empty(count, hkv, g, n, dtype=torch.float32, device=q.device)
@@ -235,7 +249,7 @@ def tree_attention(
             w = torch.sigmoid(lse_t - lse_p).unsqueeze(-1)
             torch.logaddexp(lse_p, lse_t, out=dst_lse)
             if out_p.dtype == out_t.dtype == dst.dtype:
-                torch.lerp(out_p, out_t, w.to(dst.dtype), out=dst)
+                torch.lerp(out_p, out_t, w if w.dtype == dst.dtype else w.to(dst.dtype), out=dst)
             else:
                 dst.copy_(torch.lerp(out_p.float(), out_t.float(), w))
         else:
