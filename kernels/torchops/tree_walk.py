@@ -145,6 +145,14 @@ def greedy_from_argmax(amax: torch.Tensor, tokens: torch.Tensor, tree: Any) -> W
     return _finish(acc_len, nodes, toks, amax[tree.cu_nodes[:-1] + stop])
 
 
+def _row_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """``argmax(-1)`` (first maximum); half-precision rows upcast first (exact, and
+    several times faster than the CPU's bf16/fp16 argmax)."""
+    if rows.dtype in (torch.bfloat16, torch.float16):
+        rows = rows.float()
+    return torch.argmax(rows, dim=-1)
+
+
 def _greedy_levels(logits: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
     """Greedy walk level by level: the argmax only at the B current nodes of each level.
 
@@ -162,7 +170,7 @@ def _greedy_levels(logits: torch.Tensor, tokens: torch.Tensor, tree: Any) -> Wal
     nodes = torch.full((b, d + 1), -1, dtype=torch.int64, device=dev)
     nodes[:, 0] = 0
     toks = torch.full((b, d + 1), -1, dtype=torch.int64, device=dev)
-    best = torch.argmax(logits[cur], dim=-1)
+    best = _row_argmax(logits[cur])
     for level in range(d):
         kids = table[cur, : max(1, fan[level])]
         match = (kids >= 0) & (tok[kids.clamp(min=0)] == best[:, None])  # distinct siblings
@@ -173,7 +181,7 @@ def _greedy_levels(logits: torch.Tensor, tokens: torch.Tensor, tree: Any) -> Wal
         acc_len = acc_len + step.to(torch.int64)
         active = step
         cur = torch.where(step, hit, cur)
-        best = torch.where(step, torch.argmax(logits[cur], dim=-1), best)
+        best = torch.where(step, _row_argmax(logits[cur]), best)
     return _finish(acc_len, nodes, toks, best)
 
 
