@@ -532,6 +532,9 @@ class Engine:
         logits: torch.Tensor,
     ) -> list[StepOutput]:
         sizes = [p.tree.num_nodes for p in proposals]
+        if not bool(torch.isfinite(logits).all()):  # the one walk check the engine can't rule out
+            bad = [r.req_id for r, x in zip(batch, logits.split(sizes)) if not x.isfinite().all()]
+            raise RuntimeError(f"target produced non-finite logits for requests {bad}")
         logit_rows = logits.split(sizes)
         hidden_rows = hidden.split(sizes)
         width = 1 + max(p.tree.max_depth for p in proposals)
@@ -567,6 +570,7 @@ class Engine:
                 tb,
                 mode,
                 backend=self.kernel_backend,
+                check_inputs=False,  # built here: distinct siblings, valid shapes; logits checked
                 **kw,
             )
             d = res.accepted_nodes.shape[1]
@@ -582,6 +586,7 @@ class Engine:
             acc_len.to(dev),
             self.runner.cache.block_table([r.req_id for r in batch]),
             backend=self.kernel_backend,
+            check_inputs=False,
         )
         outs = []
         for i, r in enumerate(batch):
