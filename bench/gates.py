@@ -527,7 +527,8 @@ def stage_verify(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[s
             for i, (g, w, s) in enumerate(zip(got, want, same))
             if not s
         },
-        "tau": sum(len(g) for g in got) / max(1, engine.forwards["target"]),
+        # tokens per target verify step of each request (a batched forward serves many)
+        "tau": sum(len(g) for g in got) / max(1, sum(r.steps for r in engine.requests.values())),
     }
     detail["summary"] = (
         f"{sum(same)}/{len(same)} prompts identical ({tree}, {cfg['max_tokens']} tokens each, "
