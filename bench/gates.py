@@ -356,7 +356,7 @@ class Context:
             draft = eagle = None
             if kind == "draft":
                 draft = load_causal_lm(path)
-            else:
+            elif kind == "eagle":
                 from tree_dev.models.eagle import EagleHead
 
                 eagle = EagleHead.from_pretrained(path, target=target, torch_dtype=torch.float32)
