@@ -141,8 +141,9 @@ def time_cpu(
     whatever the neighbours on a shared machine do); ``"wall"`` the elapsed time.
     """
     now = time.process_time if clock == "cpu" else time.perf_counter
-    for fn in fns.values():
-        fn()  # warm-up
+    for _ in range(3):  # warm-up: lazy init, allocator growth, caches
+        for fn in fns.values():
+            fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
     start = time.perf_counter()
     rounds = 0
