@@ -10,7 +10,9 @@ Columns (medians, measured side by side at each point):
 
 * ``vocab_argmax`` (greedy) / ``vocab_probs`` (stochastic): the vocabulary part,
   ``argmax(logits, -1)`` or ``reference.target_probs`` (softmax, temperature 0.8,
-  top-p 0.95, float64), done in torch before the walk on every backend;
+  top-p 0.95, float64) over all ``T`` nodes, what every backend needs before a
+  walk over all nodes (on the CPU the torch backend computes them level by level
+  at the visited nodes only, so its total can be below this column);
 * ``<backend>_walk``: the walk alone, from the argmax / probabilities
   (``greedy_from_argmax`` / ``walk_from_probs``);
 * ``<backend>_total``: ``kernels.tree_walk(..., check_inputs=False)`` end to end;
