@@ -114,12 +114,22 @@ def load_models(random: bool = False, path: str | os.PathLike | None = None):
     """``(target, draft, tokenizer or None, description)``: the trained set (``path``,
     default ``checkpoints/stdlib-v1``), else a tiny random pair."""
     if not random:
-        try:
-            from tree_dev.models import load
+        from tree_dev.engine import load_causal_lm
+        from tree_dev.models import DEFAULT_CHECKPOINT, load
+        from tree_dev.models.data import load_tokenizer
 
+        try:
             ms = load(path)
             return ms.target, ms.draft, ms.tokenizer, f"trained model set {ms.path}"
         except (FileNotFoundError, OSError) as e:
+            # the validation needs no EAGLE head: target + draft LMs are enough
+            p = Path(path) if path is not None else DEFAULT_CHECKPOINT
+            try:
+                lms = [load_causal_lm(p / sub) for sub in ("target", "draft")]
+                tok = load_tokenizer(p / "tokenizer")
+                return *lms, tok, f"trained target + draft LMs of {p}"
+            except (ValueError, FileNotFoundError, OSError):
+                pass
             print(
                 f"NOTE: trained model set not available ({e}); "
                 "falling back to a tiny random Llama pair",
