@@ -232,7 +232,7 @@ def _stochastic_inputs(logits, tokens, tree, mode, uniforms, draft_probs, temper
             x1[ids], x2[ids] = p[par, tk], q[par, tk]
             pp = torch.clamp(p[par] - q[par], min=0.0)
             ps = pp.sum(-1, keepdim=True)
-            p[par] = torch.where(ps > 0, pp / ps, pp)
+            p[par] = torch.where(ps > 0, pp / ps, p[par])  # p <= q everywhere: keep p (reference)
             qq = q[par]
             qq[torch.arange(qq.shape[0]), tk] = 0.0
             qs = qq.sum(-1, keepdim=True)
