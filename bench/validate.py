@@ -398,6 +398,11 @@ class ValidationResult:
                 out[row.module] = max(out[row.module], v) if v == v else math.nan
         return out
 
+    def step_rows_over(self, multiplier: float = 1.5) -> int:
+        """Three-way per-(request, step) rows whose L-inf or L2 ratio is >= ``multiplier``."""
+        rows = [r for st in (self.three_way or {}).values() for rs in st.values() for r in rs]
+        return sum(1 for r in rows if not (r.linf_ratio < multiplier and r.l2_ratio < multiplier))
+
     def per_depth(self) -> dict[str, dict[int, float]]:
         return errors_by_depth([row for rows in self.rows.values() for row in rows])
 
@@ -618,7 +623,10 @@ def print_report(res: ValidationResult, full: bool = False, file=None) -> None:
                 print_tree_report(rows, res.threshold, file=file)
     else:
         print_three_way_report(res.three_way, "HF BF16", "Tree engine BF16", "HF FP32", file=file)
+        over = res.step_rows_over()
         print(
+            f"{over} per-(request, step) row(s) at >= 1.5x: each pools one tree's nodes, and "
+            "a ratio of two maxima over so few samples is noisy; the verdict is the\n"
             f"AGGREGATE (pooled over requests, steps, nodes; BC over {res.bc_bins} bins):",
             file=file,
         )
@@ -693,6 +701,7 @@ def to_json(res: ValidationResult) -> dict[str, Any]:
     }
     if res.aggregate is not None:
         out["bc_bins"] = res.bc_bins
+        out["three_way_step_rows_over_1.5x"] = res.step_rows_over()
         out["three_way_aggregate"] = {
             k: {f: num(getattr(a, f)) for f in ("linf_ratio", "l2_ratio", "bc")}
             | {
