@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--eagle-steps", type=int, default=None)
     tr.add_argument("--share", default=None, help="time shares target,draft,eagle e.g. 0.7,0.1,0.2")
     tr.add_argument("--threads", type=int, default=2, help="torch threads (1 on a busy CPU)")
+    tr.add_argument("--resume", action="store_true", help="EAGLE stage continues from --out")
+    tr.add_argument("--eagle-lr", type=float, default=None, help="peak lr of the EAGLE stage")
     tr.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     ev = sub.add_parser("eval", help="perplexity, bits/byte, draft agreement, top-K hit rates")
     ev.add_argument("--out", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory")
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from .train import TINY, Recipe, run_train
 
         recipe = TINY if args.tiny else Recipe()
+        if args.eagle_lr is not None:
+            recipe = replace(recipe, eagle_lr=args.eagle_lr)
         if args.share:
             recipe = replace(recipe, share=tuple(float(s) for s in args.share.split(",")))
         steps = {"target": args.target_steps, "draft": args.draft_steps, "eagle": args.eagle_steps}
@@ -49,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             tuple(s for s in args.stages.split(",") if s),
             command=cmd,
             threads=args.threads,
+            resume=args.resume,
         )
     else:
         from .evaluate import run_eval

@@ -175,7 +175,7 @@ def train_lm(
     t0 = time.perf_counter()
     timed = steps is None
     total = 10**9 if timed else steps
-    bar = tqdm(range(total), desc=name, total=None if timed else total, mininterval=5)
+    bar = tqdm(_count(total), desc=name, total=None if timed else total, mininterval=5)
     for i in bar:
         state["progress"] = (time.perf_counter() - t0) / budget_s if timed else None
         if timed and state["progress"] >= 1.0:
@@ -276,7 +276,7 @@ def train_eagle(
     t0 = time.perf_counter()
     timed = steps is None
     total = 10**9 if timed else steps
-    bar = tqdm(range(total), desc="eagle", total=None if timed else total, mininterval=5)
+    bar = tqdm(_count(total), desc="eagle", total=None if timed else total, mininterval=5)
     for i in bar:
         state["progress"] = (time.perf_counter() - t0) / budget_s if timed else None
         if timed and state["progress"] >= 1.0:
@@ -346,6 +346,11 @@ def save_lm(model: LlamaForCausalLM, tokenizer, out: Path, name: str, dtype) -> 
     save_dir_atomic(out, name, fn)
 
 
+def _count(n: int):
+    """``range(n)`` without a length, so tqdm shows no bogus total in wall-clock mode."""
+    yield from range(n)
+
+
 def n_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
@@ -360,13 +365,15 @@ def run_train(
     save_dtype: torch.dtype = torch.bfloat16,
     command: str = "",
     threads: int = 2,
+    resume: bool = False,
 ) -> dict:
     """Train tokenizer + the stages in ``stages`` into ``out``; returns a summary dict.
 
     Layout: ``out/{tokenizer,target,draft,eagle}``, ``out/train_log.txt`` and
     ``out/train_summary.json``.  Stages not listed are loaded from ``out``.  Weights
     are stored in ``save_dtype``; the EAGLE head is trained on the target *after* its
-    round trip through ``save_dtype``, i.e. on exactly the stored target.
+    round trip through ``save_dtype``, i.e. on exactly the stored target.  ``resume``:
+    the EAGLE stage continues from ``out/eagle`` when it exists (new lr schedule).
     """
     import json
     import platform
@@ -451,10 +458,15 @@ def run_train(
             target = AutoModelForCausalLM.from_pretrained(
                 str(out / "target"), dtype=torch.float32, local_files_only=True
             )
-        head = EagleHead.from_target(target, seed=seed)
+        if resume and (out / "eagle" / "model.safetensors").is_file():
+            head = EagleHead.from_pretrained(out / "eagle", target=target).train()
+            log(f"[eagle] resuming from {out / 'eagle'}")
+        else:
+            head = EagleHead.from_target(target, seed=seed)
         head.target_path = "../target"
         head.float()
-        log(f"[eagle] {n_params(head, trainable_only=True) / 1e6:.3f}M own parameters")
+        own = sum(v.numel() for v in head.trainable_state_dict().values())
+        log(f"[eagle] {own / 1e6:.3f}M own parameters (embedding and lm_head: the target's)")
         hist = train_eagle(
             head,
             target,
