@@ -42,6 +42,7 @@ from tree_dev.spec import NoDraftPolicy, Policy, StaticPolicy, TopKPolicy, parse
 from tree_dev.tree import TokenTree, TreeBatch
 
 PREFILL_CHUNK = 256
+TRUNK_LIMIT = 32  # catch-up chains up to this long ride along in the draft's first level
 
 
 # --------------------------------------------------------------------------- requests
@@ -475,8 +476,9 @@ class Engine:
         if isinstance(self.policy, NoDraftPolicy):
             return [Proposal(TokenTree.chain(0), [r.root]) for r in batch]
         dr = self.draft_runner
-        # 1. catch up: committed tokens the draft has not seen, except the root
-        todo = [r for r in batch if len(r.pending) > 1]
+        # 1. long catch-ups (a new prompt) are prefilled in chunks; short ones (the
+        #    last step's accepted tokens) ride along as the trunk of the first level
+        todo = [r for r in batch if len(r.pending) > TRUNK_LIMIT]
         if todo:
             dr.prefill(
                 [r.req_id for r in todo],
@@ -517,9 +519,9 @@ class Engine:
             ):
                 g.absorb(lp, h)
             active = [g for g in active if g.ready_to_forward()]
-        for g in growers:  # the root is committed: keep its draft K/V
+        for g in growers:  # the trunk and root are committed: keep their draft K/V
             if g.can_draft:
-                g.req.draft_len += 1
+                g.req.draft_len += len(g.req.pending)
                 g.req.pending = []
         return [g.result() for g in growers]
 
@@ -635,23 +637,27 @@ class _TreeGrower:
     """Grows one request's draft tree, level by level.
 
     The draft's *forwarded* tree (``fwd_parents``/``fwd_tokens``) holds the nodes
-    the draft has run, root first; their K/V sits in the draft cache right after
-    ``req.draft_len``. ``cands`` are the proposed nodes: (parent candidate index
-    or -1 for the root, token, cumulative log-prob, depth, forwarded index).
+    the draft has run: first the *trunk*, the committed tokens it has not seen yet
+    (``req.pending``, a chain ending in the root), then the expanded draft nodes;
+    their K/V sits in the draft cache right after ``req.draft_len``. ``cands`` are
+    the proposed nodes: (parent candidate index or -1 for the root, token,
+    cumulative log-prob, depth).
     """
 
     def __init__(self, req: Request, policy: Policy, can_draft: bool = True):
         self.req = req
         self.can_draft = can_draft  # False: an EAGLE head has no feature for this root yet
         self.policy = policy
-        self.fwd_parents = [-1]
-        self.fwd_tokens = [req.root]
-        self.fwd_cand = [-1]  # candidate index of each forwarded node (-1: root)
+        trunk = req.pending if can_draft else [req.root]
+        self.root_fwd = len(trunk) - 1  # forwarded index of the root
+        self.fwd_parents = list(range(-1, len(trunk) - 1))
+        self.fwd_tokens = list(trunk)
+        self.fwd_cand = [-1] * len(trunk)  # candidate index of each forwarded node (-1: trunk)
         self.fwd_hidden: list[torch.Tensor] = []
         self.cands: list[tuple[int, int, float, int]] = []
         self.cand_fwd: dict[int, int] = {}
         self.level = 0
-        self._to_forward = [0] if can_draft else []
+        self._to_forward = list(range(len(trunk))) if can_draft else []
         if isinstance(policy, StaticPolicy):
             self.tree = policy.tree
             self.node_cand = {0: -1}  # static tree node -> candidate index
@@ -666,15 +672,15 @@ class _TreeGrower:
     def node_feats(self, nodes: list[int]) -> torch.Tensor:
         out = []
         for n in nodes:
-            if n == 0:
-                out.append(self.req.pending_feats[-1])
+            if n <= self.root_fwd:  # trunk: the target's feature before that token
+                out.append(self.req.pending_feats[n])
             else:
                 out.append(self.fwd_hidden[self.fwd_parents[n]])
         return torch.stack(out)
 
     def _add_fwd(self, cand: int) -> int:
         parent_cand = self.cands[cand][0]
-        parent_fwd = 0 if parent_cand == -1 else self.cand_fwd[parent_cand]
+        parent_fwd = self.root_fwd if parent_cand == -1 else self.cand_fwd[parent_cand]
         self.fwd_parents.append(parent_fwd)
         self.fwd_tokens.append(self.cands[cand][1])
         self.fwd_cand.append(cand)
@@ -688,6 +694,8 @@ class _TreeGrower:
             while len(self.fwd_hidden) <= n:
                 self.fwd_hidden.append(h)
             self.fwd_hidden[n] = h
+        if self.level == 0:  # only the root's row of the trunk proposes children
+            nodes, logprobs = [self.root_fwd], logprobs[-1:]
         self.level += 1
         if isinstance(self.policy, TopKPolicy):
             self._absorb_topk(nodes, logprobs)
@@ -711,7 +719,7 @@ class _TreeGrower:
     def _absorb_static(self, nodes: list[int], logprobs: torch.Tensor) -> None:
         tree = self.tree
         fc, ns = tree.first_child.tolist(), tree.next_sibling.tolist()
-        fwd_to_node = {0: 0}
+        fwd_to_node = {self.root_fwd: 0}
         for node, cand in self.node_cand.items():
             if cand in self.cand_fwd:
                 fwd_to_node[self.cand_fwd[cand]] = node
