@@ -30,6 +30,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -42,6 +43,19 @@ from tree_dev.spec import NoDraftPolicy, Policy, StaticPolicy, TopKPolicy, parse
 from tree_dev.tree import TokenTree, TreeBatch
 
 PREFILL_CHUNK = 256
+
+
+@lru_cache(maxsize=4096)
+def tree_of(parents: tuple[int, ...]) -> TokenTree:
+    """A ``TokenTree`` per distinct shape: its derived tensors are computed once."""
+    return TokenTree(parents)
+
+
+@lru_cache(maxsize=1024)
+def _batch_of(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
+    return TreeBatch(list(trees), device=device)
+
+
 TRUNK_LIMIT = 32  # catch-up chains up to this long ride along in the draft's first level
 
 
@@ -188,7 +202,7 @@ class Runner:
             ``hidden [T_new, H]`` (the model's final hidden state) and
             ``logits [T_new, V]`` (None unless ``want_logits``).
         """
-        batch = TreeBatch(trees, device=self.device)
+        batch = _batch_of(tuple(trees), self.device)
         positions, slots, rows = [], [], []
         for r, (rid, plen, tree) in enumerate(zip(req_ids, prefix_lens, trees)):
             self.cache.reserve(rid, plen + tree.num_nodes)
@@ -239,7 +253,7 @@ class Runner:
             h, _ = self.forward(
                 [req_ids[i] for i in idx],
                 [starts[i] + offset for i in idx],
-                [TokenTree.chain(len(p) - 1) for p in parts],
+                [tree_of((-1, *range(len(p) - 1))) for p in parts],
                 None,
                 [t for p in parts for t in p],
                 feats=f,
@@ -505,7 +519,7 @@ class Engine:
             hidden, logits = dr.forward(
                 [g.req.req_id for g in active],
                 [g.req.draft_len for g in active],
-                [TokenTree(g.fwd_parents) for g in active],
+                [tree_of(tuple(g.fwd_parents)) for g in active],
                 new_nodes,
                 tokens,
                 feats=feats,
@@ -775,4 +789,4 @@ class _TreeGrower:
             for c, row in self.q_rows.items():
                 if c in index:
                     q[index[c]] = row
-        return Proposal(TokenTree(parents), tokens, q)
+        return Proposal(tree_of(tuple(parents)), tokens, q)
