@@ -241,6 +241,7 @@ class Check:
     measured: float | None
     op: str
     threshold: float
+    timing: bool = False  # a wall-clock measurement (advisory under --timing-advisory)
 
     @property
     def passed(self) -> bool:
@@ -248,7 +249,7 @@ class Check:
 
     def describe(self) -> str:
         m = "none" if self.measured is None else f"{self.measured:.4g}"
-        verdict = "ok" if self.passed else "FAILED"
+        verdict = "ok" if self.passed else ("FAILED (timing)" if self.timing else "FAILED")
         return f"{self.name} = {m} (threshold {self.op} {self.threshold:g}): {verdict}"
 
 
@@ -265,14 +266,27 @@ class StageResult:
 
 
 def stage_result(
-    name: str, checks: Sequence[Check], detail: dict[str, Any], seconds: float
+    name: str,
+    checks: Sequence[Check],
+    detail: dict[str, Any],
+    seconds: float,
+    timing_advisory: bool = False,
 ) -> StageResult:
-    """Fold a stage's checks into its report line; a stage with no check fails."""
+    """Fold a stage's checks into its report line; a stage with no check fails.
+
+    With ``timing_advisory`` a missed wall-clock threshold is listed in
+    ``detail["timing_misses"]`` but does not fail the stage (CI: benchmarks on a
+    shared machine measure, they never fail a build on a time).
+    """
     if not checks:
         detail = {**detail, "error": detail.get("error", "the stage measured nothing")}
+    gating = [c for c in checks if not (timing_advisory and c.timing)]
+    misses = [c.name for c in checks if timing_advisory and c.timing and not c.passed]
+    if misses:
+        detail = {**detail, "timing_misses": misses}
     return StageResult(
         name=name,
-        passed=bool(checks) and all(c.passed for c in checks),
+        passed=bool(checks) and all(c.passed for c in gating),
         measured={c.name: c.measured for c in checks},
         threshold={c.name: f"{c.op} {c.threshold:g}" for c in checks},
         detail=detail,
@@ -446,7 +460,7 @@ def stage_kernels(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[
         f"{heads}/{kv_heads}x{head_dim}, interleaved rounds"
     )
     median = statistics.median(ratios) if ratios and not errors else None
-    checks.append(Check("torch_over_dense_sdpa", median, "<=", cfg["max_sdpa_ratio"]))
+    checks.append(Check("torch_over_dense_sdpa", median, "<=", cfg["max_sdpa_ratio"], timing=True))
     return checks, detail
 
 
@@ -724,6 +738,7 @@ def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[st
                 statistics.median(ratios),
                 ">=",
                 cfg["min_throughput_ratio"],
+                timing=True,
             )
         )
         return checks, detail
@@ -790,6 +805,7 @@ def run_gates(
     out: Path | None = None,
     stage_fns: dict[str, StageFn] | None = None,
     log: Callable[[str], None] = print,
+    timing_advisory: bool = False,
 ) -> list[StageResult]:
     """Run the stages in ``STAGES`` order, stopping at the first failure.
 
@@ -816,7 +832,7 @@ def run_gates(
                 "error": f"{type(e).__name__}: {e}",
                 "traceback": traceback.format_exc(limit=-6),
             }
-        result = stage_result(name, checks, detail, time.perf_counter() - start)
+        result = stage_result(name, checks, detail, time.perf_counter() - start, timing_advisory)
         results.append(result)
         if out is not None:
             atomic_write_json(out, make_report(results, config))
@@ -825,9 +841,11 @@ def run_gates(
         if detail.get("summary"):
             log(f"[{name}]   {detail['summary']}")
         if result.passed:
-            log(f"[{name}] PASSED in {result.seconds:.1f} s")
+            misses = result.detail.get("timing_misses")
+            note = f" (timing advisory, missed: {', '.join(misses)})" if misses else ""
+            log(f"[{name}] PASSED in {result.seconds:.1f} s{note}")
             continue
-        failed = [c for c in checks if not c.passed]
+        failed = [c for c in checks if not c.passed and not (timing_advisory and c.timing)]
         if failed:
             c = failed[0]
             why = f"measured {c.name} = {c.measured!r}, threshold {c.op} {c.threshold:g}"
@@ -855,6 +873,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a tiny random model set in a temporary directory (smoke run; figures mean nothing)",
     )
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--timing-advisory",
+        action="store_true",
+        help="report missed wall-clock thresholds without failing (CI on a shared machine)",
+    )
     args = ap.parse_args(argv)
     if args.tree:
         from tree_dev.spec import parse_tree_spec
@@ -884,7 +907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = Context(run, quick=args.quick, log_dir=args.out.parent, progress=not args.no_progress)
     start = time.perf_counter()
     try:
-        results = run_gates(ctx, cfg, args.out)
+        results = run_gates(ctx, cfg, args.out, timing_advisory=args.timing_advisory)
     finally:
         if tmp is not None:
             tmp.cleanup()
