@@ -35,19 +35,24 @@ from tree_dev.engine import Engine, SamplingParams
 from tree_dev.tree import MC_SIM_7B_63
 
 BUDGETS = (4, 8, 16, 32, 64)
-# budget -> (k, depth): narrow and deep, since a strong draft's best nodes lie along
-# a few long paths; depth = draft forwards per step, so it stays well below the chain's
-TOPK_SHAPES = {4: (2, 4), 8: (2, 6), 16: (2, 8), 32: (3, 10), 64: (4, 12)}
+# budget -> (k, depth) of the dynamic top-K tree. "topk": as deep as the chain of the
+# same budget (up to 16 levels), so tau is compared at equal nodes *and* reach;
+# "topk-fast": half as deep, fewer draft forwards per step (depth = draft forwards).
+TOPK_SHAPES = {4: (2, 4), 8: (2, 8), 16: (2, 12), 32: (3, 16), 64: (4, 16)}
+TOPK_FAST_SHAPES = {4: (2, 2), 8: (2, 4), 16: (2, 6), 32: (3, 8), 64: (4, 8)}
+FAMILIES = ("chain", "static", "topk", "topk-fast")
 
 
 def policies(budget: int) -> dict[str, str]:
     """Tree specs with ``budget`` draft nodes: chain, static (Medusa order), dynamic top-K."""
     paths = ",".join(str(p) for p in MC_SIM_7B_63[: min(budget, len(MC_SIM_7B_63))])
     k, depth = TOPK_SHAPES[budget]
+    kf, df = TOPK_FAST_SHAPES[budget]
     return {
         "chain": f"chain:{budget}",
         "static": f"paths:[{paths}]",
         "topk": f"topk:k={k},depth={depth},budget={budget}",
+        "topk-fast": f"topk:k={kf},depth={df},budget={budget}",
     }
 
 
@@ -152,7 +157,7 @@ def plot(results: list[dict], baseline_tps: float, verify_ms: dict, path: Path) 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for family, marker in (("chain", "o"), ("static", "s"), ("topk", "^")):
+    for family, marker in zip(FAMILIES, "os^v"):
         for drafter, style in (("eagle", "-"), ("draft", "--")):
             rows = [r for r in results if r.get("family") == family and r["drafter"] == drafter]
             if not rows:
@@ -267,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         f"({best['tokens_per_s']:.1f} tok/s, {best['speedup']:.2f}x, tau {best['tau']:.2f})"
     )
 
+    goals = {
+        "topk_tau_at_least_1.2x_chain_tau": {k: v >= 1.2 for k, v in chain_vs_topk.items()},
+        "best_speedup_at_least_1.5x": best["speedup"] >= 1.5,
+    }
+    print("goals:", goals)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -282,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_runs": [r["tokens_per_s"] for r in baselines],
         "verify_ms_by_nodes": verify_ms,
         "topk_over_chain_tau": chain_vs_topk,
-        "best_policy": best["spec"],
-        "best_drafter": best["drafter"],
+        "best_policy": {"tree": best["spec"], "drafter": best["drafter"]},
         "best_speedup": best["speedup"],
+        "goals": goals,
         "results": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
     }
     atomic_write_json(out / "e2e.json", report)
