@@ -215,8 +215,10 @@ def test_eagle_rejects_non_eagle_config(tok, tmp_path):
 COMMITTED = DEFAULT_CHECKPOINT / "eval_slice.json"
 
 
-@pytest.mark.skipif(not COMMITTED.is_file(), reason="no committed checkpoint eval record")
 def test_committed_checkpoint_matches_recorded_metrics():
+    assert COMMITTED.is_file(), (
+        f"{COMMITTED} missing: run `python -m tree_dev.models eval --record 2`"
+    )
     rec = json.loads(COMMITTED.read_text())
     m = load()
     assert m.target.dtype == torch.float32 and m.eagle.fc.weight.dtype == torch.float32
