@@ -23,6 +23,7 @@ POLICIES = [
     "paths:[(0,),(1,),(0,0),(0,1),(1,0),(0,0,0)]",
     "medusa:mc_sim_7b_63",
     "topk:k=3,depth=4,budget=12",
+    "topk:k=2,depth=5,budget=8,temp=0.4",
 ]
 
 

@@ -718,6 +718,8 @@ class _TreeGrower:
 
     def _absorb_topk(self, nodes: list[int], logprobs: torch.Tensor) -> None:
         k, new = self.policy.k, []
+        if self.policy.temp != 1.0:  # ranking temperature: shapes the tree only
+            logprobs = torch.log_softmax(logprobs / self.policy.temp, dim=-1)
         top_lp, top_tok = logprobs.topk(k, dim=-1)
         for n, lps, toks in zip(nodes, top_lp.tolist(), top_tok.tolist()):
             parent_cand = self.fwd_cand[n]

@@ -4,7 +4,10 @@
 - ``chain:K``: a chain of K draft tokens.
 - ``paths:[(0,), (1,), (0, 0)]``: a static tree as Medusa / vLLM paths.
 - ``medusa:NAME``: a named published tree (``medusa:mc_sim_7b_63``).
-- ``topk:k=4,depth=5,budget=32``: the dynamic top-K proposer (EAGLE-2 style).
+- ``topk:k=4,depth=5,budget=32[,temp=T]``: the dynamic top-K proposer (EAGLE-2
+  style); ``temp`` sharpens (< 1) the draft's log-probabilities used to *rank*
+  nodes, for a draft that is less confident than it is right. It only shapes
+  the tree, so verification stays lossless.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class TopKPolicy:
     depth: int
     budget: int
     spec: str
+    temp: float = 1.0
 
     @property
     def max_nodes(self) -> int:
@@ -90,19 +94,26 @@ def parse_tree_spec(spec: str) -> Policy:
             raise ValueError(f"unknown medusa tree {arg!r}; known: {sorted(PRESETS)}")
         return StaticPolicy(TokenTree.preset(arg), spec)
     if kind == "topk":
-        fields = {}
+        fields: dict[str, float] = {}
         for part in arg.split(","):
             name, eq, value = part.partition("=")
-            if not eq or name.strip() not in ("k", "depth", "budget"):
-                raise ValueError(f"bad field {part!r} in {spec!r}; expected k=, depth=, budget=")
+            name = name.strip()
+            if not eq or name not in ("k", "depth", "budget", "temp"):
+                raise ValueError(
+                    f"bad field {part!r} in {spec!r}; expected k=, depth=, budget= [, temp=]"
+                )
             try:
-                fields[name.strip()] = int(value)
+                fields[name] = float(value) if name == "temp" else int(value)
             except ValueError:
-                raise ValueError(f"field {part!r} in {spec!r} is not an integer") from None
+                kind = "a number" if name == "temp" else "an integer"
+                raise ValueError(f"field {part!r} in {spec!r} is not {kind}") from None
+        temp = fields.pop("temp", 1.0)
+        if not 0 < temp < float("inf"):
+            raise ValueError(f"temp must be > 0 in {spec!r}")
         missing = {"k", "depth", "budget"} - set(fields)
         if missing:
             raise ValueError(f"{spec!r} is missing {sorted(missing)}")
         if min(fields.values()) < 1:
             raise ValueError(f"k, depth and budget must be >= 1 in {spec!r}")
-        return TopKPolicy(fields["k"], fields["depth"], fields["budget"], spec)
+        return TopKPolicy(int(fields["k"]), int(fields["depth"]), int(fields["budget"]), spec, temp)
     raise ValueError(f"unknown tree spec kind {kind!r} in {spec!r}")

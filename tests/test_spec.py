@@ -1,0 +1,46 @@
+"""Tree spec strings shared by the engine, the benchmarks and serve.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tree_dev.spec import NoDraftPolicy, StaticPolicy, TopKPolicy, parse_tree_spec
+from tree_dev.tree import MC_SIM_7B_63, TokenTree
+
+
+def test_every_kind_parses_to_its_policy():
+    assert isinstance(parse_tree_spec("none"), NoDraftPolicy)
+    chain = parse_tree_spec("chain:5")
+    assert isinstance(chain, StaticPolicy) and chain.tree == TokenTree.chain(5)
+    paths = parse_tree_spec("paths:[(0,),(1,),(0,0)]")
+    assert paths.tree.parents.tolist() == [-1, 0, 0, 1]
+    medusa = parse_tree_spec("medusa:mc_sim_7b_63")
+    assert medusa.tree.num_nodes == len(MC_SIM_7B_63) + 1 and medusa.max_nodes == 64
+    topk = parse_tree_spec("topk:k=4,depth=5,budget=32")
+    assert (topk.k, topk.depth, topk.budget, topk.temp, topk.max_nodes) == (4, 5, 32, 1.0, 33)
+    assert isinstance(topk, TopKPolicy)
+    assert parse_tree_spec("topk:k=2,depth=8,budget=8,temp=0.3").temp == 0.3
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("", "empty tree spec"),
+        ("bushy", "unknown tree spec"),
+        ("bushy:3", "unknown tree spec kind"),
+        ("chain:x", "not an integer"),
+        ("chain:0", ">= 1"),
+        ("paths:[(0,", "not a Python literal"),
+        ("paths:[]", "non-empty"),
+        ("paths:[(1,)]", "gap"),
+        ("medusa:nope", "unknown medusa tree"),
+        ("topk:k=4,depth=5", "missing"),
+        ("topk:k=4,depth=5,budget=0", ">= 1"),
+        ("topk:k=4,width=5,budget=8", "bad field"),
+        ("topk:k=4,depth=5,budget=8,temp=0", "temp must be > 0"),
+        ("topk:k=4,depth=5,budget=8,temp=hot", "not a number"),
+    ],
+)
+def test_bad_specs_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_tree_spec(spec)
