@@ -42,8 +42,11 @@ REPO = Path(__file__).resolve().parent
 DEFAULT_MODEL_SET = REPO / "checkpoints" / "stdlib-v1"
 E2E_REPORT = REPO / "results" / "e2e.json"
 GATES_REPORT = REPO / "results" / "gates.json"
-#: Tree policy when ``results/e2e.json`` has no ``best_policy`` (EAGLE-2's default shape).
-DEFAULT_TREE = "topk:k=4,depth=5,budget=32"
+#: Tree policy when ``results/e2e.json`` has no ``best_policy``: measured by
+#: ``python -m bench.e2e`` on the committed tiny set (EAGLE head, batch 1, CPU) at
+#: 1.38x autoregressive tokens/s, within run-to-run noise of the fastest policy
+#: (1.46x), and with top-K tau 1.09x the chain's at the same node budget (propose gate).
+DEFAULT_TREE = "topk:k=2,depth=8,budget=8,temp=0.3"
 GATE_STAGES = ("kernels", "verify", "propose", "serve")
 DISCONNECT_POLL_S = 0.5  # how often a handler asks whether its client is still there
 #: The chat format used when the tokenizer has no chat template (see docs/serve.md).
