@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kernels
+from bench.io import atomic_write_bytes
 from tree_dev.tree import TokenTree, TreeBatch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -244,14 +243,6 @@ def max_error(fns: dict[str, Callable], case: dict) -> dict[str, float]:
     return errs
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import io
 
@@ -288,7 +279,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    _write_atomic(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -397,7 +388,9 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{med['dense_sdpa']:.4f} ms -> {med['dense_sdpa'] / med['triton']:.2f}x "
                 "faster than dense (goal >= 3x)"
             )
-        _write_atomic(out / f"attention_{args.device}.json", json.dumps(report, indent=1).encode())
+        atomic_write_bytes(
+            out / f"attention_{args.device}.json", json.dumps(report, indent=1).encode()
+        )
         del case, fns
 
     plot(rows, out / f"attention_{args.device}.png", f"tree attention, {args.device}")

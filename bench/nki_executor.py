@@ -10,16 +10,14 @@ kernel tests take here; it says nothing about Trainium speed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from bench.io import atomic_write_json, save_figure
 from kernels.nki import examples
 from kernels.nki.runtime import backend_note
 
@@ -68,11 +66,7 @@ def run(reps: int) -> list[dict]:
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    atomic_write_json(path, payload)
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -88,11 +82,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_title("NumPy NKI executor cost")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp)
+    save_figure(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main() -> None:

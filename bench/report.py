@@ -24,7 +24,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 import kernels
+from bench.io import atomic_write_text, save_figure
 from tree_dev.tree import TokenTree, TreeBatch
 
 __all__ = ["Row", "build_cases", "format_table", "main", "run_report", "write_json"]
@@ -432,15 +432,7 @@ def write_json(path: Path, rows: Sequence[Row], info: dict[str, dict[str, Any]])
         "backends": info,
         "rows": [asdict(r) for r in rows],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, allow_nan=False, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False, default=str))
 
 
 def write_plot(path: Path, rows: Sequence[Row]) -> bool:
@@ -475,11 +467,8 @@ def write_plot(path: Path, rows: Sequence[Row]) -> bool:
     ax.set_title("Kernel report: time per call (this machine)")
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
     return True
 
 

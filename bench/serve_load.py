@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from pathlib import Path
 
 import httpx
 from tqdm import tqdm
+
+from bench.io import atomic_write_bytes, save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -230,18 +231,6 @@ def summarize(reqs: list[dict], wall: float, clients: int) -> dict:
 
 
 # --------------------------------------------------------------------------- report
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -274,11 +263,8 @@ def plot(report: dict, path: Path) -> None:
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(f"serve.py load ({report['model']}, max_tokens {report['max_tokens']})")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -349,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
             str(t["clients"]): t["throughput_tok_s"] / n["throughput_tok_s"]
             for t, n in zip(tree_run["levels"], none_run["levels"])
         }
-    _atomic_write(a.out, json.dumps(report, indent=2).encode())
+    atomic_write_bytes(a.out, json.dumps(report, indent=2).encode())
     plot(report, a.out.with_suffix(".png"))
     print_table(report)
     print(f"wrote {a.out} and {a.out.with_suffix('.png')}")

@@ -37,10 +37,8 @@ import argparse
 import importlib
 import io
 import json
-import os
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +47,7 @@ import torch
 from tqdm import tqdm
 
 import kernels
+from bench.io import atomic_write_bytes
 from kernels.reference import target_probs
 from tree_dev.tree import TokenTree, TreeBatch
 
@@ -203,14 +202,6 @@ def goal_figure(device: str) -> dict:
     return res
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -238,7 +229,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         report["goal"] = goal_figure(args.device)
     out = Path(args.out)
     name = f"walk_{'cuda' if cuda else 'cpu'}"
-    write_atomic(out / f"{name}.json", json.dumps(report, indent=1).encode())
+    atomic_write_bytes(out / f"{name}.json", json.dumps(report, indent=1).encode())
     plot(rows, out / f"{name}.png", f"tree walk ({report['device']})")
     print_table(report)
     print(f"wrote {out / name}.json and .png")
