@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 import kernels
 from bench.io import atomic_write_bytes
+from bench.timing import graph_or_eager
 from tree_dev.tree import TokenTree, TreeBatch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -163,20 +164,9 @@ def time_cuda(fns: dict[str, Callable], graphs: bool) -> dict[str, float]:
     for name, fn in fns.items():
         run = fn
         if graphs:
-            try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        fn()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                run = graph.replay
-            except Exception as exc:  # noqa: BLE001 - fall back to eager timing
-                print(f"  {name}: no CUDA graph ({type(exc).__name__}), timing eagerly")
-                run = fn
+            run, captured = graph_or_eager(fn)
+            if not captured:
+                print(f"  {name}: no CUDA graph (host sync?), timing eagerly")
         out[name] = float(do_bench(run, warmup=10, rep=60, return_mode="median"))
     return out
 

@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 import kernels
 from bench.io import atomic_write_bytes
+from bench.timing import graph_or_eager
 from kernels.reference import target_probs
 from tree_dev.tree import TokenTree, TreeBatch
 
@@ -139,24 +140,6 @@ def time_cpu(fns: dict[str, Callable], min_rounds: int, budget_s: float, clock: 
             samples[name].append((now() - t0) * 1e3)
         rounds += 1
     return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def graph_or_eager(fn: Callable) -> tuple[Callable, bool]:
-    """A CUDA-graph replay of ``fn`` when it captures (no host sync), else ``fn``."""
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay, True
-    except Exception:  # noqa: BLE001 - a column with a host sync is timed eagerly
-        torch.cuda.synchronize()
-        return fn, False
 
 
 def time_cuda(fns: dict[str, Callable]) -> tuple[dict[str, float], dict[str, bool]]:
