@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kernels
-from bench.io import atomic_write_bytes
+from bench.io import atomic_write_bytes, save_figure
 from bench.timing import graph_or_eager
 from tree_dev.tree import TokenTree, TreeBatch
 
@@ -234,7 +234,6 @@ def max_error(fns: dict[str, Callable], case: dict) -> dict[str, float]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import io
 
     import matplotlib
 
@@ -266,10 +265,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> dict:

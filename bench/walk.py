@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import json
 import random
 import statistics
@@ -47,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 import kernels
-from bench.io import atomic_write_bytes
+from bench.io import atomic_write_bytes, save_figure
 from bench.timing import graph_or_eager
 from kernels.reference import target_probs
 from tree_dev.tree import TokenTree, TreeBatch
@@ -209,10 +208,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_title(f"{title}: {mode}")
         ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
