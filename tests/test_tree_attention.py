@@ -358,20 +358,112 @@ class _Shapes(TorchDispatchMode):
         return result
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_torch_builds_no_dense_mask(paged: bool):
-    """No tensor of the torch backend spans both the tree rows and the prefix."""
-    n, plen, group = 37, 1000, 4
+def test_torch_builds_no_dense_mask(paged: bool, dtype: str):
+    """No mask wider than the tree, and no tensor spanning the tree rows and the prefix
+    beyond one bounded score tile (bf16 row-tile path), though all rows' scores here
+    (2 x 4 x 100 x 2100 fp32 = 6.7 MB) would not fit in one."""
+    import kernels.torchops.tree_attention as mod
+
+    n, plen, hkv, group = 100, 2000, 2, 4
     inputs = make_inputs(
-        [random_tree(n, 3)], [plen], 2, group, 64, torch.float32, 16 if paged else None
+        [random_tree(n, 3)], [plen], hkv, group, 64, DTYPES[dtype], 16 if paged else None
     )
+    assert hkv * group * n * (plen + n) * 4 > mod._TILE_BYTES
     with _Shapes() as rec:
         out = kernels.tree_attention(**inputs, backend="torch", check_inputs=False)
     assert torch.isfinite(out).all() and rec.shapes
+    spanning = []
     for shape in rec.shapes:
         spans_rows = n in shape or n * group in shape
         spans_prefix = any(s >= plen for s in shape)
-        assert not (spans_rows and spans_prefix), f"dense [rows, prefix] tensor {shape}"
+        if spans_rows and spans_prefix:
+            spanning.append(shape)
+            assert math.prod(shape) * 4 <= mod._TILE_BYTES, f"[rows, prefix] tensor {shape}"
+    # fp32 takes the fused path (nothing spans both); bf16 the row tiles (several tiles).
+    assert (len(spanning) > 1) == (dtype == "bf16"), spanning
+
+
+def _spy_paths(monkeypatch) -> list[str]:
+    import kernels.torchops.tree_attention as mod
+
+    taken: list[str] = []
+    for name in ("_row_tile_group", "_split_group"):
+        real = getattr(mod, name)
+
+        def spy(*args, real=real, name=name, **kwargs):
+            taken.append(name.strip("_").split("_")[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, spy)
+    return taken
+
+
+@pytest.mark.parametrize(
+    "dtype, plen, path",
+    [
+        ("bf16", 1000, "row"),
+        ("bf16", 4096 - 12, "row"),
+        ("bf16", 4096 - 11, "split"),
+        ("fp32", 1000, "split"),
+        ("fp16", 1000, "split"),
+    ],
+)
+def test_torch_path_choice(monkeypatch, dtype: str, plen: int, path: str):
+    """bf16 with prefix + tree <= 4096 keys takes the row tiles; the rest the fused pass."""
+    taken = _spy_paths(monkeypatch)
+    inputs = make_inputs([random_tree(12, 1)], [plen], 1, 2, 64, DTYPES[dtype], None)
+    assert_matches_reference("torch", inputs)
+    assert taken == [path]
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 1 << 14], ids=["one-tile", "per-head-tiles"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_torch_bf16_row_tiles(monkeypatch, paged: bool, tile_bytes: int | None):
+    """Row-tile path on a ragged batch: prefix 0, a group with non-adjacent rows (requests
+    0 and 2), GQA 4, one tile per request or one query head per tile."""
+    import kernels.torchops.tree_attention as mod
+
+    if tile_bytes is not None:
+        monkeypatch.setattr(mod, "_TILE_BYTES", tile_bytes)
+    taken = _spy_paths(monkeypatch)
+    tree_list = [random_tree(5, 1), random_tree(9, 2), random_tree(5, 3), TokenTree.chain(2)]
+    inputs = make_inputs(
+        tree_list, [30, 17, 30, 0], 2, 4, 64, torch.bfloat16, 16 if paged else None
+    )
+    assert_matches_reference("torch", inputs)
+    assert set(taken) == {"row"}
+
+
+def test_torch_bf16_keeps_fp32_scores():
+    """Peaked logits (score std ~10): bf16-rounded scores would miss the tolerance; the
+    row tiles (like the fused kernel) compute ``Q K^T`` in fp32."""
+    inputs = make_inputs(
+        [random_tree(40, 4), random_tree(7, 5)], [900, 33], 2, 4, 64, torch.float32, 16
+    )
+    inputs["q"] = (inputs["q"] * 10).to(torch.bfloat16)
+    inputs["k_cache"] = inputs["k_cache"].to(torch.bfloat16)
+    inputs["v_cache"] = inputs["v_cache"].to(torch.bfloat16)
+    assert_matches_reference("torch", inputs)
+
+
+def test_torch_plan_is_cached_per_prefix_lengths():
+    """Grouping and unpacked masks are computed once per (tree batch, lengths, dtype)."""
+    import kernels.torchops.tree_attention as mod
+
+    inputs = make_inputs(
+        [random_tree(6, 1), random_tree(6, 2)], [10, 10], 1, 2, 64, torch.float32, None
+    )
+    tb = inputs["tree"]
+    first = mod._plan(tb, inputs["prefix_lens"], torch.float32)
+    assert mod._plan(tb, inputs["prefix_lens"], torch.float32) is first
+    assert len(first) == 1 and first[0].reqs == [0, 1]  # same (prefix, size): one group
+    other = mod._plan(tb, torch.tensor([10, 11]), torch.float32)
+    assert other is not first and len(other) == 2
+    for i in range(mod._PLANS_PER_TREE + 2):  # bounded
+        mod._plan(tb, torch.tensor([i, i]), torch.float32)
+    assert len(mod._PLANS[tb]) == mod._PLANS_PER_TREE
 
 
 def test_torch_fallback_without_fused_cpu_kernel(monkeypatch):

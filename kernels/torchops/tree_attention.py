@@ -17,12 +17,27 @@ K/V tile is shared by all of them and never expanded. Requests with the same
 ``(prefix length, tree size)`` go through one kernel call; contiguous caches and
 consecutive paged blocks are read as strided views, other paged layouts are
 gathered once into a reused workspace.
+
+bf16 on the CPU with short prefixes (``P + n <= _ROW_TILE_MAX_KEYS``) takes a faster
+route: the fused CPU kernel runs its bf16 GEMMs at fp32 speed on CPUs without AMX,
+while a bf16 ``matmul`` runs at bf16 speed. So each request is done in row tiles of
+at most ``_TILE_BYTES`` of fp32 scores: ``Q K^T`` over the prefix *and* the tree
+keys in fp32 (exactly what the fused kernel computes), the ``[n, n]`` ancestor bias
+added to the tree columns only, one fp32 softmax over the whole row, then
+``P V`` with ``P`` in bf16 (as the fused kernel does). One pass, no LSE merge, no
+mask beyond ``[n, n]``, and the workspace is a bounded tile, not ``[N, P + N]``.
+
+The grouping of requests and the unpacked ``[n, n]`` biases depend only on the
+``TreeBatch``, the prefix lengths and the dtype; they are computed once and reused
+by every later call with the same three (every layer of a decoding step).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +48,10 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _CHUNK = 4096  # prefix tokens per step of the device-agnostic fallback
 _KV_SPLIT = 2048  # prefix tokens per fused-kernel call on long prefixes (cache locality)
 _WORKSPACE = threading.local()
+_TILE_BYTES = 2 << 20  # fp32 score tile of the bf16 row-tile path (about the L2 size)
+_ROW_TILE_MAX_KEYS = 4096  # longest prefix + tree for the row-tile path
+_PLANS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+_PLANS_PER_TREE = 8  # plans kept per TreeBatch (distinct prefix lengths / dtypes)
 _CONSTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -178,6 +197,176 @@ def _prefix_attend(
     return out, lse
 
 
+@dataclass
+class _Group:
+    """Requests ``reqs`` sharing ``(plen, n)``; ``rows`` their query rows (slice if
+    consecutive and in order); ``bias`` the ``[R, 1, n, n]`` additive ancestor mask."""
+
+    plen: int
+    n: int
+    reqs: list[int]
+    rows: slice | torch.Tensor
+    bias: torch.Tensor
+    bias_f32: torch.Tensor  # the same in fp32 (the row-tile path adds it to fp32 scores)
+
+
+def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Group]:
+    """Group the requests and unpack their masks, once per (tree batch, lengths, dtype)."""
+    plens = tuple(prefix_lens.tolist())
+    key = (plens, dtype)
+    try:
+        cache = _PLANS.setdefault(tree, {})
+    except TypeError:  # not weak-referenceable: no caching
+        cache = {}
+    groups = cache.get(key)
+    if groups is not None:
+        return groups
+    cu = tree.cu_nodes.tolist()
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for b, plen in enumerate(plens):
+        by_shape.setdefault((int(plen), cu[b + 1] - cu[b]), []).append(b)
+    groups = []
+    for (plen, n), reqs in by_shape.items():
+        first, count = cu[reqs[0]], len(reqs)
+        if [cu[b] for b in reqs] == list(range(first, first + count * n, n)):
+            rows: slice | torch.Tensor = slice(first, first + count * n)
+        else:
+            idx = torch.cat([torch.arange(cu[b], cu[b] + n) for b in reqs])
+            rows = idx.to(tree.packed_mask.device)
+        bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, dtype)
+        groups.append(_Group(plen, n, reqs, rows, bias, bias.float()))
+    if len(cache) >= _PLANS_PER_TREE:
+        cache.pop(next(iter(cache)))
+    cache[key] = groups
+    return groups
+
+
+def _use_row_tiles(q: torch.Tensor, plen: int, n: int) -> bool:
+    """The bf16 row-tile path: CPU, bf16, short prefix (where it beats the fused kernel),
+    and one query head's fp32 scores ``[n, plen + n]`` fit in a tile."""
+    length = plen + n
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and length <= _ROW_TILE_MAX_KEYS
+        and n * length * 4 <= _TILE_BYTES
+    )
+
+
+def _row_tile_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    grp: _Group,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> None:
+    """One pass over prefix + tree keys per request, in row tiles (see the module doc).
+
+    Writes ``out[rows]`` (and ``lse[rows]`` if given) of the group's requests.
+    """
+    total, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    n, plen = grp.n, grp.plen
+    length = plen + n
+    # Tiles of whole query heads (n rows each): all heads at once when their fp32
+    # scores fit in _TILE_BYTES, else one KV head at a time, ``gs`` query heads per tile.
+    unit = n * length * 4
+    kvs, gs = (hkv, g) if hkv * g * unit <= _TILE_BYTES else (1, max(1, _TILE_BYTES // unit))
+    bias = grp.bias_f32
+    rows_of = (
+        (lambda i: slice(grp.rows.start + i * n, grp.rows.start + (i + 1) * n))
+        if isinstance(grp.rows, slice)
+        else (lambda i: grp.rows[i * n : (i + 1) * n])
+    )
+    for i, r in enumerate(grp.reqs):
+        rows = rows_of(i)
+        kf = _prefix_kv(k_cache, block_table, [r], length, "k")[0].float()  # [Hkv, L, D]
+        vr = _prefix_kv(v_cache, block_table, [r], length, "v")[0]  # [Hkv, L, D]
+        # [Hkv, G, n, D] fp32 queries, pre-scaled; head h = kv_head * G + g.
+        qr = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).float().mul_(scale)
+        o_r = torch.empty(hkv, g, n, d, dtype=q.dtype, device=q.device)
+        lse_r = None
+        if lse is not None:
+            lse_r = torch.empty(hkv, g, n, dtype=torch.float32, device=q.device)
+        for h0 in range(0, hkv, kvs):
+            h1 = h0 + kvs
+            for g0 in range(0, g, gs):
+                g1 = min(g, g0 + gs)
+                qt = qr[h0:h1, g0:g1].reshape(kvs, (g1 - g0) * n, d)
+                s = torch.matmul(qt, kf[h0:h1].transpose(1, 2)).view(kvs, g1 - g0, n, length)
+                s[..., plen:] += bias[i, 0]  # the [n, n] ancestor bias, tree columns only
+                if lse_r is not None:
+                    m = s.amax(-1)
+                p = torch.softmax(s, -1)
+                if lse_r is not None:  # p's row max is exp(0) / sum: lse = m + log(sum)
+                    lse_r[h0:h1, g0:g1] = m - torch.log(p.amax(-1))
+                pv = torch.matmul(p.view(kvs, -1, length).to(q.dtype), vr[h0:h1])
+                o_r[h0:h1, g0:g1] = pv.view(kvs, g1 - g0, n, d)
+        out[rows] = o_r.permute(2, 0, 1, 3).reshape(n, hq, d)
+        if lse is not None:
+            lse[rows] = lse_r.permute(2, 0, 1).reshape(n, hq)
+
+
+def _split_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    grp: _Group,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Fused unmasked prefix pass + masked tree block, merged by LSE, for one group."""
+    total, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    plen, n, reqs, rows = grp.plen, grp.n, grp.reqs, grp.rows
+    count = len(reqs)
+    # Queries [R, Hq, n, D]. Viewed as [R, Hkv, G*n, D], the G query heads of a KV
+    # head form one block of rows: the prefix pass reads each K/V row once for all.
+    qh = q[rows].view(count, n, hq, d).transpose(1, 2).contiguous()
+    kt = _tree_kv(k_cache, block_table, reqs, plen, n)
+    vt = _tree_kv(v_cache, block_table, reqs, plen, n)
+    bias = grp.bias
+    out_t, lse_t = _attend(qh, kt, vt, bias, scale)  # tree block, [R, Hq, n, *]
+
+    # Merge in [R, Hkv, G, n, (D)] views of every operand: no copies.
+    if isinstance(rows, slice):  # write straight into the outputs (fresh, contiguous)
+        first = rows.start
+        dst = out.as_strided(
+            (count, hkv, g, n, d), (n * hq * d, g * d, d, hq * d, 1), first * hq * d
+        )
+        dst_lse = lse.as_strided((count, hkv, g, n), (n * hq, g, 1, hq), first * hq)
+    else:
+        dst = torch.empty(count, hkv, g, n, d, dtype=q.dtype, device=q.device)
+        dst_lse = torch.empty(count, hkv, g, n, dtype=torch.float32, device=q.device)
+    out_t = out_t.view(count, hkv, g, n, d)
+    lse_t = lse_t.view(count, hkv, g, n)
+    if plen > 0:
+        kp = _prefix_kv(k_cache, block_table, reqs, plen, "k")
+        vp = _prefix_kv(v_cache, block_table, reqs, plen, "v")
+        out_p, lse_p = _prefix_attend(qh.view(count, hkv, g * n, d), kp, vp, scale)
+        out_p, lse_p = out_p.view(out_t.shape), lse_p.view(lse_t.shape)
+        # LSE merge: out = out_p + w * (out_t - out_p), w = the tree block's share.
+        w = torch.sigmoid(lse_t - lse_p).unsqueeze(-1)
+        torch.logaddexp(lse_p, lse_t, out=dst_lse)
+        if out_p.dtype == out_t.dtype == dst.dtype:
+            torch.lerp(out_p, out_t, w if w.dtype == dst.dtype else w.to(dst.dtype), out=dst)
+        else:
+            dst.copy_(torch.lerp(out_p.float(), out_t.float(), w))
+    else:
+        dst.copy_(out_t)
+        dst_lse.copy_(lse_t)
+    if not isinstance(rows, slice):
+        out[rows] = dst.permute(0, 3, 1, 2, 4).reshape(count * n, hq, d)
+        lse[rows] = dst_lse.permute(0, 3, 1, 2).reshape(count * n, hq)
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -194,7 +383,8 @@ def tree_attention(
         q: ``[T, Hq, D]`` fp32/fp16/bf16 queries of all tree nodes, ``tree.cu_nodes`` order.
         k_cache, v_cache: paged ``[num_blocks, block_size, Hkv, D]`` with ``block_table``
             or contiguous ``[B, S, Hkv, D]``; q's dtype; ``Hq % Hkv == 0``.
-        tree: ``TreeBatch`` (uses ``cu_nodes`` and ``packed_mask``).
+        tree: ``TreeBatch`` (uses ``cu_nodes`` and ``packed_mask``; treated as
+            immutable: its grouping and unpacked masks are cached per prefix lengths).
         prefix_lens: ``int[B]`` prefix length per request (0 allowed).
         block_table: ``int[B, max_blocks]`` or None (contiguous).
         scale: softmax scale, default ``1/sqrt(D)``.
@@ -204,58 +394,14 @@ def tree_attention(
         ``out [T, Hq, D]`` in q's dtype (and ``lse [T, Hq]`` fp32 if asked).
     """
     total, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    g = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.empty_like(q)
     lse = torch.empty(total, hq, dtype=torch.float32, device=q.device)
-    cu = tree.cu_nodes.tolist()
-    plens = prefix_lens.tolist()
-    groups: dict[tuple[int, int], list[int]] = {}
-    for b in range(len(plens)):
-        groups.setdefault((int(plens[b]), cu[b + 1] - cu[b]), []).append(b)
-    for (plen, n), reqs in groups.items():
-        count = len(reqs)
-        first = cu[reqs[0]]
-        if [cu[b] for b in reqs] == list(range(first, first + count * n, n)):
-            rows: slice | torch.Tensor = slice(first, first + count * n)
-        else:
-            rows = torch.cat([torch.arange(cu[b], cu[b] + n) for b in reqs]).to(q.device)
-        # Queries [R, Hq, n, D]. Viewed as [R, Hkv, G*n, D], the G query heads of a KV
-        # head form one block of rows: the prefix pass reads each K/V row once for all.
-        qh = q[rows].view(count, n, hq, d).transpose(1, 2).contiguous()
-        kt = _tree_kv(k_cache, block_table, reqs, plen, n)
-        vt = _tree_kv(v_cache, block_table, reqs, plen, n)
-        bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, q.dtype)
-        out_t, lse_t = _attend(qh, kt, vt, bias, scale)  # tree block, [R, Hq, n, *]
-
-        # Merge in [R, Hkv, G, n, (D)] views of every operand: no copies.
-        if isinstance(rows, slice):  # write straight into the outputs (fresh, contiguous)
-            dst = out.as_strided(
-                (count, hkv, g, n, d), (n * hq * d, g * d, d, hq * d, 1), first * hq * d
+    for grp in _plan(tree, prefix_lens, q.dtype):
+        if _use_row_tiles(q, grp.plen, grp.n):
+            _row_tile_group(
+                q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None
             )
-            dst_lse = lse.as_strided((count, hkv, g, n), (n * hq, g, 1, hq), first * hq)
         else:
-            dst = torch.empty(count, hkv, g, n, d, dtype=q.dtype, device=q.device)
-            dst_lse = torch.empty(count, hkv, g, n, dtype=torch.float32, device=q.device)
-        out_t = out_t.view(count, hkv, g, n, d)
-        lse_t = lse_t.view(count, hkv, g, n)
-        if plen > 0:
-            kp = _prefix_kv(k_cache, block_table, reqs, plen, "k")
-            vp = _prefix_kv(v_cache, block_table, reqs, plen, "v")
-            out_p, lse_p = _prefix_attend(qh.view(count, hkv, g * n, d), kp, vp, scale)
-            out_p, lse_p = out_p.view(out_t.shape), lse_p.view(lse_t.shape)
-            # LSE merge: out = out_p + w * (out_t - out_p), w = the tree block's share.
-            w = torch.sigmoid(lse_t - lse_p).unsqueeze(-1)
-            torch.logaddexp(lse_p, lse_t, out=dst_lse)
-            if out_p.dtype == out_t.dtype == dst.dtype:
-                torch.lerp(out_p, out_t, w if w.dtype == dst.dtype else w.to(dst.dtype), out=dst)
-            else:
-                dst.copy_(torch.lerp(out_p.float(), out_t.float(), w))
-        else:
-            dst.copy_(out_t)
-            dst_lse.copy_(lse_t)
-        if not isinstance(rows, slice):
-            out[rows] = dst.permute(0, 3, 1, 2, 4).reshape(count * n, hq, d)
-            lse[rows] = dst_lse.permute(0, 3, 1, 2).reshape(count * n, hq)
+            _split_group(q, k_cache, v_cache, block_table, grp, scale, out, lse)
     return (out, lse) if return_lse else out
