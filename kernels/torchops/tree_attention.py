@@ -71,17 +71,20 @@ def _tree_bias(words: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     return table[bits.view(words.shape[0], 1, n, -1)[..., :n]]
 
 
-def _workspace(slot: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+def _workspace(
+    slot: str, numel: int, like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """A reusable flat buffer of at least ``numel`` elements (per thread, dtype, device).
 
-    Gathering a paged prefix into fresh memory every call costs a page fault per
-    4 KiB page; reusing the buffer avoids that. It holds the largest gather seen.
+    Fresh memory of a megabyte or so costs a page fault per 4 KiB page on every call
+    (the allocator hands it back to the OS on free); reusing the buffer avoids that.
+    It holds the largest size seen. ``dtype`` defaults to ``like``'s.
     """
-    key = (slot, like.dtype, like.device)
+    key = (slot, dtype or like.dtype, like.device)
     cache = _WORKSPACE.__dict__.setdefault("buffers", {})
     buf = cache.get(key)
     if buf is None or buf.numel() < numel:
-        buf = cache[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buf = cache[key] = torch.empty(numel, dtype=key[1], device=like.device)
     return buf[:numel]
 
 
@@ -282,9 +285,14 @@ def _row_tile_group(
         if isinstance(grp.rows, slice)
         else (lambda i: grp.rows[i * n : (i + 1) * n])
     )
+    tile = kvs * gs * unit // 4  # fp32 elements of the largest tile
+    s_buf = _workspace("scores", tile, q, torch.float32)
+    p_buf = _workspace("probs", tile, q, torch.float32)
+    pb_buf = _workspace("probs_lowp", tile, q)
     for i, r in enumerate(grp.reqs):
         rows = rows_of(i)
-        kf = _prefix_kv(k_cache, block_table, [r], length, "k")[0].float()  # [Hkv, L, D]
+        k_r = _prefix_kv(k_cache, block_table, [r], length, "k")[0]  # [Hkv, L, D]
+        kf = _workspace("k_fp32", k_r.numel(), q, torch.float32).view(k_r.shape).copy_(k_r)
         vr = _prefix_kv(v_cache, block_table, [r], length, "v")[0]  # [Hkv, L, D]
         # [Hkv, G, n, D] fp32 queries, pre-scaled; head h = kv_head * G + g.
         qr = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).float().mul_(scale)
@@ -296,15 +304,21 @@ def _row_tile_group(
             h1 = h0 + kvs
             for g0 in range(0, g, gs):
                 g1 = min(g, g0 + gs)
-                qt = qr[h0:h1, g0:g1].reshape(kvs, (g1 - g0) * n, d)
-                s = torch.matmul(qt, kf[h0:h1].transpose(1, 2)).view(kvs, g1 - g0, n, length)
-                s[..., plen:] += bias[i, 0]  # the [n, n] ancestor bias, tree columns only
+                rows_t = (g1 - g0) * n
+                size = kvs * rows_t * length
+                qt = qr[h0:h1, g0:g1].reshape(kvs, rows_t, d)
+                s = s_buf[:size].view(kvs, rows_t, length)
+                torch.matmul(qt, kf[h0:h1].transpose(1, 2), out=s)
+                s.view(kvs, g1 - g0, n, length)[..., plen:] += bias[i, 0]  # tree cols only
                 if lse_r is not None:
                     m = s.amax(-1)
-                p = torch.softmax(s, -1)
+                p = p_buf[:size].view(kvs, rows_t, length)
+                torch.ops.aten._softmax.out(s, -1, False, out=p)
                 if lse_r is not None:  # p's row max is exp(0) / sum: lse = m + log(sum)
-                    lse_r[h0:h1, g0:g1] = m - torch.log(p.amax(-1))
-                pv = torch.matmul(p.view(kvs, -1, length).to(q.dtype), vr[h0:h1])
+                    lse_val = m - torch.log(p.amax(-1))
+                    lse_r[h0:h1, g0:g1] = lse_val.view(kvs, g1 - g0, n)
+                pb = pb_buf[:size].view(kvs, rows_t, length).copy_(p)
+                pv = torch.matmul(pb, vr[h0:h1])
                 o_r[h0:h1, g0:g1] = pv.view(kvs, g1 - g0, n, d)
         out[rows] = o_r.permute(2, 0, 1, 3).reshape(n, hq, d)
         if lse is not None:
