@@ -401,37 +401,46 @@ def _spy_paths(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "dtype, plen, path",
+    "dtype, n, plen, path",
     [
-        ("bf16", 1000, "row"),
-        ("bf16", 4096 - 12, "row"),
-        ("bf16", 4096 - 11, "split"),
-        ("fp32", 1000, "split"),
-        ("fp16", 1000, "split"),
+        ("bf16", 12, 1000, "row"),
+        ("bf16", 12, 5000, "row"),  # two key pieces
+        ("bf16", 500, 10, "split"),  # one head's [n, 4096 + n] fp32 scores > 8 MB
+        ("fp32", 12, 1000, "split"),
+        ("fp16", 12, 1000, "split"),
     ],
 )
-def test_torch_path_choice(monkeypatch, dtype: str, plen: int, path: str):
-    """bf16 with prefix + tree <= 4096 keys takes the row tiles; the rest the fused pass."""
+def test_torch_path_choice(monkeypatch, dtype: str, n: int, plen: int, path: str):
+    """bf16 on the CPU takes the row tiles unless the tree is huge; the rest the fused pass."""
     taken = _spy_paths(monkeypatch)
-    inputs = make_inputs([random_tree(12, 1)], [plen], 1, 2, 64, DTYPES[dtype], None)
+    inputs = make_inputs([random_tree(n, 1)], [plen], 1, 2, 64, DTYPES[dtype], None)
     assert_matches_reference("torch", inputs)
     assert taken == [path]
 
 
-@pytest.mark.parametrize("tile_bytes", [None, 1 << 14], ids=["one-tile", "per-head-tiles"])
+@pytest.mark.parametrize(
+    "tile_bytes, piece_keys",
+    [(None, None), (1 << 14, None), (None, 64), (1 << 14, 40)],
+    ids=["one-tile", "per-head-tiles", "key-pieces", "both"],
+)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_torch_bf16_row_tiles(monkeypatch, paged: bool, tile_bytes: int | None):
+def test_torch_bf16_row_tiles(
+    monkeypatch, paged: bool, tile_bytes: int | None, piece_keys: int | None
+):
     """Row-tile path on a ragged batch: prefix 0, a group with non-adjacent rows (requests
-    0 and 2), GQA 4, one tile per request or one query head per tile."""
+    0 and 2), GQA 4; one tile per request or one query head per tile; the keys in one
+    piece or in several merged by LSE (prefixes of 1, 2 and 3 pieces)."""
     import kernels.torchops.tree_attention as mod
 
     if tile_bytes is not None:
         monkeypatch.setattr(mod, "_TILE_BYTES", tile_bytes)
+    if piece_keys is not None:
+        monkeypatch.setattr(mod, "_ROW_TILE_KEYS", piece_keys)
     taken = _spy_paths(monkeypatch)
     tree_list = [random_tree(5, 1), random_tree(9, 2), random_tree(5, 3), TokenTree.chain(2)]
-    inputs = make_inputs(
-        tree_list, [30, 17, 30, 0], 2, 4, 64, torch.bfloat16, 16 if paged else None
-    )
+    plens = [100, 17, 100, 0]
+    block = 16 if paged else None
+    inputs = make_inputs(tree_list, plens, 2, 4, 64, torch.bfloat16, block)
     assert_matches_reference("torch", inputs)
     assert set(taken) == {"row"}
 
