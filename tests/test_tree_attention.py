@@ -445,6 +445,21 @@ def test_torch_bf16_row_tiles(
     assert set(taken) == {"row"}
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_torch_inside_then_outside_inference_mode(dtype: str):
+    """Workspaces and cached plans made under ``torch.inference_mode()`` (as the engine
+    runs) are not reused outside it, where writing an inference tensor is an error."""
+    inputs = make_inputs(
+        [random_tree(7, 1), random_tree(4, 2)], [40, 70], 2, 4, 64, DTYPES[dtype], 16
+    )
+    with torch.inference_mode():
+        inside = kernels.tree_attention(**inputs, backend="torch")
+    outside = kernels.tree_attention(**inputs, backend="torch")
+    assert not outside.is_inference()
+    torch.testing.assert_close(outside, inside, atol=0, rtol=0)
+    assert_matches_reference("torch", inputs)
+
+
 def test_torch_bf16_keeps_fp32_scores():
     """Peaked logits (score std ~10): bf16-rounded scores would miss the tolerance; the
     row tiles (like the fused kernel) compute ``Q K^T`` in fp32."""

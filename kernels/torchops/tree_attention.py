@@ -84,7 +84,8 @@ def _workspace(
     (the allocator hands it back to the OS on free); reusing the buffer avoids that.
     It holds the largest size seen. ``dtype`` defaults to ``like``'s.
     """
-    key = (slot, dtype or like.dtype, like.device)
+    # Tensors made under inference_mode cannot be written outside it: one set per mode.
+    key = (slot, dtype or like.dtype, like.device, torch.is_inference_mode_enabled())
     cache = _WORKSPACE.__dict__.setdefault("buffers", {})
     buf = cache.get(key)
     if buf is None or buf.numel() < numel:
@@ -220,7 +221,7 @@ class _Group:
 def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Group]:
     """Group the requests and unpack their masks, once per (tree batch, lengths, dtype)."""
     plens = tuple(prefix_lens.tolist())
-    key = (plens, dtype)
+    key = (plens, dtype, torch.is_inference_mode_enabled())  # no inference tensors in autograd
     try:
         cache = _PLANS.setdefault(tree, {})
     except TypeError:  # not weak-referenceable: no caching
