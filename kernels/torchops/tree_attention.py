@@ -208,14 +208,16 @@ def _prefix_attend(
 @dataclass
 class _Group:
     """Requests ``reqs`` sharing ``(plen, n)``; ``rows`` their query rows (slice if
-    consecutive and in order); ``bias`` the ``[R, 1, n, n]`` additive ancestor mask."""
+    consecutive and in order); ``row_tiles`` the route (see ``_use_row_tiles``);
+    ``bias`` the ``[R, 1, n, n]`` additive ancestor mask, in the dtype the route adds
+    it in (fp32 scores of the row tiles, else the fused kernel's q dtype)."""
 
     plen: int
     n: int
     reqs: list[int]
     rows: slice | torch.Tensor
+    row_tiles: bool
     bias: torch.Tensor
-    bias_f32: torch.Tensor  # the same in fp32 (the row-tile path adds it to fp32 scores)
 
 
 def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Group]:
@@ -241,20 +243,22 @@ def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Gro
         else:
             idx = torch.cat([torch.arange(cu[b], cu[b] + n) for b in reqs])
             rows = idx.to(tree.packed_mask.device)
-        bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, dtype)
-        groups.append(_Group(plen, n, reqs, rows, bias, bias.float()))
+        row_tiles = _use_row_tiles(tree.packed_mask.device, dtype, n)
+        bias_dtype = torch.float32 if row_tiles else dtype
+        bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, bias_dtype)
+        groups.append(_Group(plen, n, reqs, rows, row_tiles, bias))
     if len(cache) >= _PLANS_PER_TREE:
         cache.pop(next(iter(cache)))
     cache[key] = groups
     return groups
 
 
-def _use_row_tiles(q: torch.Tensor, n: int) -> bool:
+def _use_row_tiles(device: torch.device, dtype: torch.dtype, n: int) -> bool:
     """The bf16 row-tile path: CPU, bf16, and one query head's fp32 scores over one key
     piece (``[n, _ROW_TILE_KEYS + n]``) fit in ``_TILE_BYTES_MAX``."""
     return (
-        q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
+        device.type == "cpu"
+        and dtype == torch.bfloat16
         and n * (_ROW_TILE_KEYS + n) * 4 <= _TILE_BYTES_MAX
     )
 
@@ -294,7 +298,7 @@ def _row_tile_group(
     # scores fit in _TILE_BYTES, else one KV head at a time, ``gs`` query heads per tile.
     unit = n * widest * 4
     kvs, gs = (hkv, g) if hkv * g * unit <= _TILE_BYTES else (1, max(1, _TILE_BYTES // unit))
-    bias = grp.bias_f32
+    bias = grp.bias
     rows_of = (
         (lambda i: slice(grp.rows.start + i * n, grp.rows.start + (i + 1) * n))
         if isinstance(grp.rows, slice)
@@ -437,7 +441,7 @@ def tree_attention(
     out = torch.empty_like(q)
     lse = torch.empty(total, hq, dtype=torch.float32, device=q.device)
     for grp in _plan(tree, prefix_lens, q.dtype):
-        if _use_row_tiles(q, grp.n):
+        if grp.row_tiles:
             _row_tile_group(
                 q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None
             )
