@@ -56,6 +56,7 @@ _TILE_BYTES_MAX = 8 << 20  # ... unless one query head's scores need more (big t
 _ROW_TILE_KEYS = 4096  # keys per piece of the row-tile path (long prefixes: several)
 _PLANS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 _PLANS_PER_TREE = 8  # plans kept per TreeBatch (distinct prefix lengths / dtypes)
+_PLANS_LOCK = threading.Lock()
 _CONSTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -225,7 +226,8 @@ def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Gro
     plens = tuple(prefix_lens.tolist())
     key = (plens, dtype, torch.is_inference_mode_enabled())  # no inference tensors in autograd
     try:
-        cache = _PLANS.setdefault(tree, {})
+        with _PLANS_LOCK:
+            cache = _PLANS.setdefault(tree, {})
     except TypeError:  # not weak-referenceable: no caching
         cache = {}
     groups = cache.get(key)
@@ -247,9 +249,10 @@ def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Gro
         bias_dtype = torch.float32 if row_tiles else dtype
         bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, bias_dtype)
         groups.append(_Group(plen, n, reqs, rows, row_tiles, bias))
-    if len(cache) >= _PLANS_PER_TREE:
-        cache.pop(next(iter(cache)))
-    cache[key] = groups
+    with _PLANS_LOCK:  # several threads may plan for one TreeBatch
+        while len(cache) >= _PLANS_PER_TREE:
+            cache.pop(next(iter(cache)))
+        cache[key] = groups
     return groups
 
 
