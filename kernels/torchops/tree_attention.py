@@ -27,7 +27,7 @@ computes) over a piece of at most ``_ROW_TILE_KEYS`` prefix keys, the tree's key
 appended to the last piece with the ``[n, n]`` ancestor bias added to their columns
 only, one fp32 softmax per row, then ``P V`` with ``P`` in bf16 (as the fused kernel
 does); several pieces are merged by LSE in fp32. No mask beyond ``[n, n]``, and the
-workspace is a bounded tile, never ``[N, P + N]``. 0.37-0.73x the time of dense
+workspace is a bounded tile, never ``[N, P + N]``. 0.37-0.75x the time of dense
 masked SDPA here (``python -m bench.attention``), against 0.5-1.07x for the fused route.
 
 The grouping of requests and the unpacked ``[n, n]`` biases depend only on the
