@@ -15,6 +15,9 @@ CUDA: CUDA-graph replays through ``triton.testing.do_bench``, median):
 * ``dense_sdpa``: what a user would otherwise write, one
   ``scaled_dot_product_attention`` with a dense ``[B, 1, N, prefix + N]`` bool mask
   (mask built outside the timed region);
+* ``dense_sdpa_paged``: the same on the paged cache, i.e. after gathering each
+  request's pages through the block table (what that user writes first); the
+  ``*_paged`` columns are also reported against it;
 * ``decode_sdpa``: single-query decode attention over the same ``prefix + N`` keys,
   the memory-bound floor of a tree step.
 
@@ -126,10 +129,26 @@ def methods(case: dict, backends: list[str]) -> dict[str, Callable[[], torch.Ten
     fns["dense_sdpa"] = lambda: F.scaled_dot_product_attention(
         c["q_dense"], c["k_dense"], c["v_dense"], attn_mask=c["mask"], enable_gqa=True
     )
+    fns["dense_sdpa_paged"] = lambda: F.scaled_dot_product_attention(
+        c["q_dense"], *dense_kv_from_pages(c), attn_mask=c["mask"], enable_gqa=True
+    )
     fns["decode_sdpa"] = lambda: F.scaled_dot_product_attention(
         c["q_dense"][:, :, :1], c["k_dense"], c["v_dense"], enable_gqa=True
     )
     return fns
+
+
+def dense_kv_from_pages(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a dense-SDPA user with a vLLM paged cache writes first: gather each
+    request's pages through the block table. ``[B, Hkv, prefix + N, D]`` K and V."""
+    table = case["table"].to(torch.int64)
+    batch, length = case["mask"].shape[0], case["mask"].shape[-1]
+
+    def gather(paged: torch.Tensor) -> torch.Tensor:
+        flat = paged[table.view(-1)].view(batch, -1, *paged.shape[2:])  # [B, pages*16, H, D]
+        return flat[:, :length].transpose(1, 2)
+
+    return gather(case["k_paged"]), gather(case["v_paged"])
 
 
 def time_cpu(
@@ -228,7 +247,7 @@ def max_error(fns: dict[str, Callable], case: dict) -> dict[str, float]:
     ref = fns["dense_sdpa"]().float().transpose(1, 2).reshape(case["q"].shape)
     errs = {}
     for name, fn in fns.items():
-        if name not in ("dense_sdpa", "decode_sdpa"):
+        if name not in ("dense_sdpa", "dense_sdpa_paged", "decode_sdpa"):
             errs[name] = float((fn().float() - ref).abs().max())
     return errs
 
@@ -366,6 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
             row[f"{name}/dense_sdpa"] = med[name] / med["dense_sdpa"]
             row[f"{name}/decode_sdpa"] = med[name] / med["decode_sdpa"]
             row[f"{name}_paged/dense_sdpa"] = med[f"{name}_paged"] / med["dense_sdpa"]
+            row[f"{name}_paged/dense_sdpa_paged"] = med[f"{name}_paged"] / med["dense_sdpa_paged"]
         rows.append(row)
         if cuda and "triton" in backends and (n, p) == (64, 8192):
             tqdm.write(
@@ -383,10 +403,11 @@ def main(argv: list[str] | None = None) -> dict:
     plot(rows, out / f"attention_{args.device}.png", f"tree attention, {args.device}")
 
     cols = [f"{b}/dense_sdpa" for b in backends] + [f"{b}_paged/dense_sdpa" for b in backends]
+    cols += [f"{b}_paged/dense_sdpa_paged" for b in backends]
     cols += [f"{b}/decode_sdpa" for b in backends]
-    print(f"\n{'dtype':5} {'B':>2} {'N':>4} {'prefix':>6} " + " ".join(f"{c:>22}" for c in cols))
+    print(f"\n{'dtype':5} {'B':>2} {'N':>4} {'prefix':>6} " + " ".join(f"{c:>28}" for c in cols))
     for r in rows:
-        vals = " ".join(f"{r[c]:22.3f}" for c in cols)
+        vals = " ".join(f"{r[c]:28.3f}" for c in cols)
         print(f"{r['dtype']:5} {r['batch']:2d} {r['nodes']:4d} {r['prefix']:6d} {vals}")
     for b in backends:
         worst = max(rows, key=lambda r, b=b: r[f"{b}/dense_sdpa"])
