@@ -182,6 +182,17 @@ def _attend(
     return out.view(count, hq, m, d), lse.view(count, hq, m)
 
 
+def _merge_(
+    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """In place, ``(out, lse)`` <- their LSE merge with a partial result over other keys.
+
+    ``out [..., D]`` fp32, ``lse [...]`` fp32; ``part`` any float dtype.
+    """
+    out.lerp_(part.float(), torch.sigmoid(part_lse - lse).unsqueeze(-1))
+    torch.logaddexp(lse, part_lse, out=lse)
+
+
 def _prefix_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,8 +212,7 @@ def _prefix_attend(
         if out is None:
             out, lse = o_c.float(), l_c
         else:
-            out.lerp_(o_c.float(), torch.sigmoid(l_c - lse).unsqueeze(-1))
-            lse = torch.logaddexp(lse, l_c)
+            _merge_(out, lse, o_c, l_c)
     return out, lse
 
 
@@ -290,7 +300,7 @@ def _row_tile_group(
     one piece this is a single pass, with several the pieces' partial outputs are
     merged by LSE in fp32. Writes ``out[rows]`` (and ``lse[rows]`` if given).
     """
-    total, hq, d = q.shape
+    _, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
     n, plen = grp.n, grp.plen
@@ -350,8 +360,7 @@ def _row_tile_group(
                         if need_lse:
                             dst_lse.copy_(lse_t)
                     else:  # LSE merge with the earlier pieces, fp32
-                        dst.lerp_(o_t.float(), torch.sigmoid(lse_t - dst_lse).unsqueeze(-1))
-                        torch.logaddexp(dst_lse, lse_t, out=dst_lse)
+                        _merge_(dst, dst_lse, o_t, lse_t)
         out[rows] = o_r.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
         if lse is not None:
             lse[rows] = lse_r.permute(2, 0, 1).reshape(n, hq)
@@ -368,7 +377,7 @@ def _split_group(
     lse: torch.Tensor,
 ) -> None:
     """Fused unmasked prefix pass + masked tree block, merged by LSE, for one group."""
-    total, hq, d = q.shape
+    _, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
     plen, n, reqs, rows = grp.plen, grp.n, grp.reqs, grp.rows
