@@ -194,6 +194,19 @@ def test_ragged_batch_each_dtype(backend: str, dtype: str, paged: bool) -> None:
     assert_matches_reference(backend, inputs)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_inputs_are_not_modified(backend: str, dtype: str) -> None:
+    """Queries, caches and the block table are read only (an in-place scale of an fp32
+    query view would corrupt the caller's q)."""
+    inputs = make_inputs(
+        [random_tree(9, 1), random_tree(4, 2)], [40, 3], 2, 4, 64, DTYPES[dtype], 16
+    )
+    before = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    kernels.tree_attention(**inputs, backend=backend)
+    for name, old in before.items():  # unused cache slots are NaN: equal_nan
+        torch.testing.assert_close(inputs[name], old, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gqa_and_head_dims(backend: str, group: int, d: int) -> None:
@@ -362,7 +375,7 @@ class _Shapes(TorchDispatchMode):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_torch_builds_no_dense_mask(paged: bool, dtype: str):
     """No mask wider than the tree, and no tensor spanning the tree rows and the prefix
-    beyond one bounded score tile (bf16 row-tile path), though all rows' scores here
+    beyond one bounded score tile (the row-tile path), though all rows' scores here
     (2 x 4 x 100 x 2100 fp32 = 6.7 MB) would not fit in one."""
     import kernels.torchops.tree_attention as mod
 
@@ -381,8 +394,7 @@ def test_torch_builds_no_dense_mask(paged: bool, dtype: str):
         if spans_rows and spans_prefix:
             spanning.append(shape)
             assert math.prod(shape) * 4 <= mod._TILE_BYTES, f"[rows, prefix] tensor {shape}"
-    # fp32 takes the fused path (nothing spans both); bf16 the row tiles (several tiles).
-    assert (len(spanning) > 1) == (dtype == "bf16"), spanning
+    assert len(spanning) > 1, spanning  # several bounded tiles
 
 
 def _spy_paths(monkeypatch) -> list[str]:
@@ -406,12 +418,14 @@ def _spy_paths(monkeypatch) -> list[str]:
         ("bf16", 12, 1000, "row"),
         ("bf16", 12, 5000, "row"),  # two key pieces
         ("bf16", 500, 10, "split"),  # one head's [n, 4096 + n] fp32 scores > 8 MB
-        ("fp32", 12, 1000, "split"),
+        ("fp32", 12, 1000, "row"),
+        ("fp32", 500, 10, "split"),
         ("fp16", 12, 1000, "split"),
     ],
 )
 def test_torch_path_choice(monkeypatch, dtype: str, n: int, plen: int, path: str):
-    """bf16 on the CPU takes the row tiles unless the tree is huge; the rest the fused pass."""
+    """bf16 and fp32 on the CPU take the row tiles unless the tree is huge; fp16 the
+    fused pass."""
     taken = _spy_paths(monkeypatch)
     inputs = make_inputs([random_tree(n, 1)], [plen], 1, 2, 64, DTYPES[dtype], None)
     assert_matches_reference("torch", inputs)
@@ -424,14 +438,27 @@ def test_torch_path_choice(monkeypatch, dtype: str, n: int, plen: int, path: str
     ids=["one-tile", "per-head-tiles", "key-pieces", "both"],
 )
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_torch_bf16_row_tiles(
-    monkeypatch, paged: bool, tile_bytes: int | None, piece_keys: int | None
+@pytest.mark.parametrize(
+    "dtype, pv_onednn_rows",
+    [("bf16", None), ("fp32", 0), ("fp32", 10**9)],
+    ids=["bf16", "fp32-pv-onednn", "fp32-pv-matmul"],
+)
+def test_torch_row_tiles(
+    monkeypatch,
+    paged: bool,
+    tile_bytes: int | None,
+    piece_keys: int | None,
+    dtype: str,
+    pv_onednn_rows: int | None,
 ):
     """Row-tile path on a ragged batch: prefix 0, a group with non-adjacent rows (requests
     0 and 2), GQA 4; one tile per request or one query head per tile; the keys in one
-    piece or in several merged by LSE (prefixes of 1, 2 and 3 pieces)."""
+    piece or in several merged by LSE (prefixes of 1, 2 and 3 pieces); fp32 ``P V``
+    through oneDNN (with V^T copied) or through ``matmul``."""
     import kernels.torchops.tree_attention as mod
 
+    if pv_onednn_rows is not None:
+        monkeypatch.setattr(mod, "_PV_ONEDNN_ROWS", pv_onednn_rows)
     if tile_bytes is not None:
         monkeypatch.setattr(mod, "_TILE_BYTES", tile_bytes)
     if piece_keys is not None:
@@ -440,9 +467,34 @@ def test_torch_bf16_row_tiles(
     tree_list = [random_tree(5, 1), random_tree(9, 2), random_tree(5, 3), TokenTree.chain(2)]
     plens = [100, 17, 100, 0]
     block = 16 if paged else None
-    inputs = make_inputs(tree_list, plens, 2, 4, 64, torch.bfloat16, block)
+    inputs = make_inputs(tree_list, plens, 2, 4, 64, DTYPES[dtype], block)
     assert_matches_reference("torch", inputs)
     assert set(taken) == {"row"}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_torch_row_tiles_without_onednn(monkeypatch, dtype: str):
+    """torch builds without oneDNN: the row tiles' fp32 GEMMs fall back to ``matmul``."""
+    import kernels.torchops.tree_attention as mod
+
+    monkeypatch.setattr(mod, "_ONEDNN_LINEAR", None)
+    monkeypatch.setattr(mod, "_PV_ONEDNN_ROWS", 0)
+    inputs = make_inputs(
+        [random_tree(30, 4), random_tree(3, 5)], [200, 0], 2, 4, 64, DTYPES[dtype], 16
+    )
+    assert_matches_reference("torch", inputs)
+
+
+def test_gemm_nt_matches_matmul():
+    """The oneDNN fp32 GEMM is plain fp32 arithmetic (no reduced-precision shortcut)."""
+    import kernels.torchops.tree_attention as mod
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(96, 128, generator=gen)
+    b = torch.randn(300, 128, generator=gen)
+    exact = (a.double() @ b.double().T).float()
+    # fp32 accumulation over 128 products of N(0,1) values: error ~1e-5 at most.
+    torch.testing.assert_close(mod._gemm_nt(a, b), exact, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -496,18 +548,21 @@ def test_torch_fallback_without_fused_cpu_kernel(monkeypatch):
 
     monkeypatch.setattr(mod, "_FLASH_CPU", None)
     monkeypatch.setattr(mod, "_CHUNK", 64)
+    monkeypatch.setattr(mod, "_use_row_tiles", lambda *args: False)
     inputs = make_inputs(
         [random_tree(30, 4), random_tree(3, 5)], [200, 0], 2, 4, 64, torch.float32, 16
     )
     assert_matches_reference("torch", inputs)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_torch_long_prefix_in_pieces(monkeypatch, dtype: str):
-    """Long prefixes go through the fused kernel in pieces merged by LSE (tiny pieces here)."""
+    """On the fused route (fp16, huge trees), long prefixes go through the fused kernel
+    in pieces merged by LSE (tiny pieces here)."""
     import kernels.torchops.tree_attention as mod
 
     monkeypatch.setattr(mod, "_KV_SPLIT", 64)
+    monkeypatch.setattr(mod, "_use_row_tiles", lambda *args: False)
     inputs = make_inputs(
         [random_tree(20, 8), random_tree(4, 9)], [700, 129], 2, 4, 64, DTYPES[dtype], 16
     )

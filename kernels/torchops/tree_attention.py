@@ -1,6 +1,7 @@
-"""Tree attention in plain PyTorch: fused prefix SDPA + small masked tree block, LSE merge.
+"""Tree attention in plain PyTorch: two routes, neither builds a dense mask.
 
-Per request, the ``n`` tree nodes' queries attend to
+The fused route (fp16, trees of several hundred nodes, devices other than the CPU):
+per request, the ``n`` tree nodes' queries attend to
 
 * the prefix (positions ``0..P-1``): every node sees all of it, so this is plain,
   unmasked attention, done by PyTorch's fused flash kernel for the CPU
@@ -18,17 +19,20 @@ K/V tile is shared by all of them and never expanded. Requests with the same
 consecutive paged blocks are read as strided views, other paged layouts are
 gathered once into a reused workspace.
 
-bf16 on the CPU takes a faster route (unless a tree is so big that one query head's
-scores over one key piece exceed ``_TILE_BYTES_MAX``): the fused CPU kernel runs its
-bf16 GEMMs at fp32 speed on CPUs without AMX, while a bf16 ``matmul`` runs at bf16
-speed (about 4x here). So each request is done in row tiles of at most
-``_TILE_BYTES`` of fp32 scores: ``Q K^T`` in fp32 (exactly what the fused kernel
-computes) over a piece of at most ``_ROW_TILE_KEYS`` prefix keys, the tree's keys
-appended to the last piece with the ``[n, n]`` ancestor bias added to their columns
-only, one fp32 softmax per row, then ``P V`` with ``P`` in bf16 (as the fused kernel
-does); several pieces are merged by LSE in fp32. No mask beyond ``[n, n]``, and the
-workspace is a bounded tile, never ``[N, P + N]``. 0.37-0.75x the time of dense
-masked SDPA here (``python -m bench.attention``), against 0.5-1.07x for the fused route.
+The row-tile route: bf16 and fp32 on the CPU take it (unless a tree is so big that one query
+head's scores over one key piece exceed ``_TILE_BYTES_MAX``), because the fused CPU
+kernel leaves speed unused: its GEMMs are MKL's, which on AMD CPUs run AVX2 code
+(about 107 GFLOP/s fp32 on one core here, where oneDNN's fp32 GEMM runs 226), and its
+bf16 GEMMs run at that fp32 speed without AMX (a bf16 ``matmul`` is about 4x faster).
+So each request and KV head is done in row tiles of at most ``_TILE_BYTES`` of fp32
+scores: ``Q K^T`` in fp32 through oneDNN (exactly what the fused kernel computes) over
+a piece of at most ``_ROW_TILE_KEYS`` prefix keys, the tree's keys appended to the
+last piece with the ``[n, n]`` ancestor bias added to their columns only, one fp32
+softmax per row, then ``P V``: bf16 ``matmul`` with ``P`` in bf16 (as the fused kernel
+does), or fp32 through oneDNN (``matmul`` for small trees, where copying V^T costs more
+than it saves); several pieces are merged by LSE in fp32. No mask beyond ``[n, n]``,
+and the workspace is a bounded tile, never ``[N, P + N]``. The time of dense masked
+SDPA here (``python -m bench.attention``): see the README.
 
 The grouping of requests and the unpacked ``[n, n]`` biases depend only on the
 ``TreeBatch``, the prefix lengths and the dtype; they are computed once and reused
@@ -57,6 +61,12 @@ _ROW_TILE_KEYS = 4096  # keys per piece of the row-tile path (long prefixes: sev
 _PLANS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 _PLANS_PER_TREE = 8  # plans kept per TreeBatch (distinct prefix lengths / dtypes)
 _PLANS_LOCK = threading.Lock()
+_ONEDNN_LINEAR = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if torch.backends.mkldnn.is_available()
+    else None
+)
+_PV_ONEDNN_ROWS = 64  # fp32 query rows per KV head from which P V goes through oneDNN
 _CONSTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -271,7 +281,7 @@ def _use_row_tiles(device: torch.device, dtype: torch.dtype, n: int) -> bool:
     piece (``[n, _ROW_TILE_KEYS + n]``) fit in ``_TILE_BYTES_MAX``."""
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
+        and dtype in (torch.bfloat16, torch.float32)
         and n * (_ROW_TILE_KEYS + n) * 4 <= _TILE_BYTES_MAX
     )
 
@@ -284,6 +294,18 @@ def _key_pieces(plen: int, n: int) -> list[tuple[int, int]]:
     return list(zip(starts, ends, strict=True))
 
 
+def _gemm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ b [N, K]^T -> [M, N]``, fp32, both contiguous.
+
+    On the CPU through oneDNN's fp32 GEMM when torch has it: about 2x the MKL
+    ``matmul`` on AMD CPUs, where MKL takes its AVX2 code (226 vs 107 GFLOP/s on one
+    core here), and as fast elsewhere. Same fp32 arithmetic, no lower precision.
+    """
+    if _ONEDNN_LINEAR is not None and a.device.type == "cpu":
+        return _ONEDNN_LINEAR(a, b, None, "none", [], "")
+    return a @ b.T
+
+
 def _row_tile_group(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -294,7 +316,7 @@ def _row_tile_group(
     out: torch.Tensor,
     lse: torch.Tensor | None,
 ) -> None:
-    """Row tiles over prefix + tree keys, per request (see the module doc).
+    """Row tiles over prefix + tree keys, per request and KV head (see the module doc).
 
     Keys go in pieces of ``_ROW_TILE_KEYS`` (the tree's keys in the last piece); with
     one piece this is a single pass, with several the pieces' partial outputs are
@@ -307,54 +329,63 @@ def _row_tile_group(
     length = plen + n
     pieces = _key_pieces(plen, n)
     widest = max(e - s for s, e in pieces)
-    # Tiles of whole query heads (n rows each): all heads at once when their fp32
-    # scores fit in _TILE_BYTES, else one KV head at a time, ``gs`` query heads per tile.
+    fp32 = q.dtype == torch.float32
+    # fp32 P V through oneDNN too, when V^T's copy (per KV head and key piece) pays off.
+    pv_onednn = fp32 and g * n >= _PV_ONEDNN_ROWS
+    # A tile: ``gs`` query heads of one KV head (gs * n rows), fp32 scores <= _TILE_BYTES.
     unit = n * widest * 4
-    kvs, gs = (hkv, g) if hkv * g * unit <= _TILE_BYTES else (1, max(1, _TILE_BYTES // unit))
-    bias = grp.bias
+    gs = max(1, min(g, _TILE_BYTES // unit))
+    tile = gs * unit // 4  # fp32 elements of the largest tile
+    p_buf = _workspace("probs", tile, q, torch.float32)
+    pb_buf = None if fp32 else _workspace("probs_lowp", tile, q)
+    k_buf = _workspace("k_fp32", widest * d, q, torch.float32)
+    v_buf = _workspace("v_rows", widest * d, q) if pv_onednn else None
+    vt_buf = _workspace("v_fp32_t", widest * d, q) if pv_onednn else None
+    q_buf = _workspace("q_fp32", hq * n * d, q, torch.float32)
     rows_of = (
         (lambda i: slice(grp.rows.start + i * n, grp.rows.start + (i + 1) * n))
         if isinstance(grp.rows, slice)
         else (lambda i: grp.rows[i * n : (i + 1) * n])
     )
-    tile = kvs * gs * unit // 4  # fp32 elements of the largest tile
-    s_buf = _workspace("scores", tile, q, torch.float32)
-    p_buf = _workspace("probs", tile, q, torch.float32)
-    pb_buf = _workspace("probs_lowp", tile, q)
-    kf_buf = _workspace("k_fp32", hkv * widest * d, q, torch.float32)
     need_lse = lse is not None or len(pieces) > 1
     for i, r in enumerate(grp.reqs):
         rows = rows_of(i)
         k_r = _prefix_kv(k_cache, block_table, [r], length, "k")[0]  # [Hkv, L, D]
         v_r = _prefix_kv(v_cache, block_table, [r], length, "v")[0]  # [Hkv, L, D]
-        # [Hkv, G, n, D] fp32 queries, pre-scaled; head h = kv_head * G + g.
-        qr = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).float().mul_(scale)
+        # [Hkv, G, n, D] fp32 queries, pre-scaled, contiguous; head h = kv_head * G + g.
+        qr = q_buf.view(hkv, g, n, d)
+        qr.copy_(q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3)).mul_(scale)
         o_r = torch.empty(hkv, g, n, d, dtype=q.dtype if len(pieces) == 1 else torch.float32)
         lse_r = torch.empty(hkv, g, n, dtype=torch.float32) if need_lse else None
         for c, (c0, c1) in enumerate(pieces):
             width = c1 - c0
-            kf = kf_buf[: hkv * width * d].view(hkv, width, d).copy_(k_r[:, c0:c1])
-            for h0 in range(0, hkv, kvs):
-                h1 = h0 + kvs
+            for h in range(hkv):
+                kf = k_buf[: width * d].view(width, d).copy_(k_r[h, c0:c1])
+                if pv_onednn:  # V^T for the second GEMM: [D, width], via a contiguous copy
+                    v_rows = v_buf[: width * d].view(width, d).copy_(v_r[h, c0:c1])
+                    vt = vt_buf[: width * d].view(d, width).copy_(v_rows.T)
                 for g0 in range(0, g, gs):
                     g1 = min(g, g0 + gs)
                     rows_t = (g1 - g0) * n
-                    size = kvs * rows_t * width
-                    qt = qr[h0:h1, g0:g1].reshape(kvs, rows_t, d)
-                    s = s_buf[:size].view(kvs, rows_t, width)
-                    torch.matmul(qt, kf[h0:h1].transpose(1, 2), out=s)
+                    s = _gemm_nt(qr[h, g0:g1].reshape(rows_t, d), kf)  # [rows_t, width]
                     if c1 > plen:  # the [n, n] ancestor bias, on the tree's columns only
-                        s.view(kvs, g1 - g0, n, width)[..., plen - c0 :] += bias[i, 0]
+                        s.view(g1 - g0, n, width)[..., plen - c0 :] += grp.bias[i, 0]
                     if need_lse:
                         m = s.amax(-1)
-                    p = p_buf[:size].view(kvs, rows_t, width)
+                    p = p_buf[: rows_t * width].view(rows_t, width)
                     torch.ops.aten._softmax.out(s, -1, False, out=p)
-                    pb = pb_buf[:size].view(kvs, rows_t, width).copy_(p)
-                    o_t = torch.matmul(pb, v_r[h0:h1, c0:c1]).view(kvs, g1 - g0, n, d)
-                    dst = o_r[h0:h1, g0:g1]
+                    if pv_onednn:
+                        o_t = _gemm_nt(p, vt)
+                    elif fp32:
+                        o_t = torch.matmul(p, v_r[h, c0:c1])
+                    else:  # P in q's dtype, as the fused kernel does
+                        pb = pb_buf[: rows_t * width].view(rows_t, width).copy_(p)
+                        o_t = torch.matmul(pb, v_r[h, c0:c1])
+                    o_t = o_t.view(g1 - g0, n, d)
+                    dst = o_r[h, g0:g1]
                     if need_lse:  # p's row max is exp(0) / sum: lse = m + log(sum)
-                        lse_t = (m - torch.log(p.amax(-1))).view(kvs, g1 - g0, n)
-                        dst_lse = lse_r[h0:h1, g0:g1]
+                        lse_t = (m - torch.log(p.amax(-1))).view(g1 - g0, n)
+                        dst_lse = lse_r[h, g0:g1]
                     if c == 0:
                         dst.copy_(o_t)
                         if need_lse:
