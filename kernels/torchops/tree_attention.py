@@ -55,7 +55,7 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _CHUNK = 4096  # prefix tokens per step of the device-agnostic fallback
 _KV_SPLIT = 2048  # prefix tokens per fused-kernel call on long prefixes (cache locality)
 _WORKSPACE = threading.local()
-_TILE_BYTES = 2 << 20  # fp32 score tile of the bf16 row-tile path (about the L2 size)
+_TILE_BYTES = 2 << 20  # fp32 score tile of the row-tile path (about the L2 size)
 _TILE_BYTES_MAX = 8 << 20  # ... unless one query head's scores need more (big trees)
 _ROW_TILE_KEYS = 4096  # keys per piece of the row-tile path (long prefixes: several)
 _PLANS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
@@ -277,8 +277,8 @@ def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Gro
 
 
 def _use_row_tiles(device: torch.device, dtype: torch.dtype, n: int) -> bool:
-    """The bf16 row-tile path: CPU, bf16, and one query head's fp32 scores over one key
-    piece (``[n, _ROW_TILE_KEYS + n]``) fit in ``_TILE_BYTES_MAX``."""
+    """The row-tile route: CPU, bf16 or fp32, and one query head's fp32 scores over one
+    key piece (``[n, _ROW_TILE_KEYS + n]``) fit in ``_TILE_BYTES_MAX``."""
     return (
         device.type == "cpu"
         and dtype in (torch.bfloat16, torch.float32)
