@@ -12,6 +12,9 @@ CUDA: CUDA-graph replays through ``triton.testing.do_bench``, median):
 
 * ``torch`` / ``triton``: ``kernels.tree_attention`` on a contiguous cache, and
   ``*_paged`` on a vLLM paged cache (block size 16, shuffled blocks);
+* ``torch_fused``: the torch backend forced onto its fused route (PyTorch's fused
+  SDPA kernel for the prefix, a masked tree block, LSE merge), which its CPU row
+  tiles replace for bf16 and fp32;
 * ``dense_sdpa``: what a user would otherwise write, one
   ``scaled_dot_product_attention`` with a dense ``[B, 1, N, prefix + N]`` bool mask
   (mask built outside the timed region);
@@ -127,6 +130,12 @@ def methods(case: dict, backends: list[str]) -> dict[str, Callable[[], torch.Ten
             c["table"],
             backend=name,
             check_inputs=False,
+        )
+    if "torch" in backends:  # the torch backend's fused route, for comparison
+        from kernels.torchops.tree_attention import tree_attention as torch_tree_attention
+
+        fns["torch_fused"] = lambda: torch_tree_attention(
+            c["q"], c["k"], c["v"], c["tree"], c["plens"], route="fused"
         )
     fns["dense_sdpa"] = lambda: F.scaled_dot_product_attention(
         c["q_dense"], c["k_dense"], c["v_dense"], attn_mask=c["mask"], enable_gqa=True
@@ -392,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
             med.update({f"{k} (paged group)": v for k, v in med2.items()})
         row = dict(dtype=dt, batch=b, nodes=n, prefix=p, median_ms=med, max_abs_err=errs)
         row["dense_mask_bytes"] = b * n * (p + n)  # bool mask of the dense baseline
+        if "torch_fused" in med:
+            row["torch_fused/dense_sdpa"] = med["torch_fused"] / med["dense_sdpa"]
         for name in backends:
             row[f"{name}/dense_sdpa"] = med[name] / med["dense_sdpa"]
             row[f"{name}/decode_sdpa"] = med[name] / med["decode_sdpa"]
@@ -415,6 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
     plot(rows, out / f"attention_{args.device}.png", f"tree attention, {args.device}")
 
     cols = [f"{b}/dense_sdpa" for b in backends] + [f"{b}_paged/dense_sdpa" for b in backends]
+    cols += ["torch_fused/dense_sdpa"] if "torch" in backends else []
     cols += [f"{b}_paged/dense_sdpa_paged" for b in backends]
     cols += [f"{b}/decode_sdpa" for b in backends]
     print(f"\n{'dtype':5} {'B':>2} {'N':>4} {'prefix':>6} " + " ".join(f"{c:>28}" for c in cols))

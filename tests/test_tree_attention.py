@@ -542,17 +542,53 @@ def test_torch_plan_is_cached_per_prefix_lengths():
     assert len(mod._PLANS[tb]) == mod._PLANS_PER_TREE
 
 
+def assert_matches_fused_route(inputs: dict) -> None:
+    """The torch backend's fused route (``route="fused"``) against the reference."""
+    from kernels.torchops.tree_attention import tree_attention as torch_tree_attention
+
+    out, lse = torch_tree_attention(**inputs, return_lse=True, route="fused")
+    ref_out, ref_lse = reference.tree_attention(**inputs, return_lse=True)
+    atol, rtol, lse_atol = TOL[inputs["q"].dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse, ref_lse, atol=lse_atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_torch_fused_route_on_request(monkeypatch, dtype: str, paged: bool):
+    """``route="fused"`` takes the fused pass where ``"auto"`` takes the row tiles;
+    both match the reference; an unknown route is a ValueError."""
+    from kernels.torchops.tree_attention import tree_attention as torch_tree_attention
+
+    taken = _spy_paths(monkeypatch)
+    inputs = make_inputs(
+        [random_tree(12, 1), random_tree(5, 2)],
+        [300, 40],
+        2,
+        4,
+        64,
+        DTYPES[dtype],
+        16 if paged else None,
+    )
+    assert_matches_fused_route(inputs)
+    assert set(taken) == {"split"}
+    taken.clear()
+    assert_matches_reference("torch", inputs)
+    assert set(taken) == {"row"}
+    with pytest.raises(ValueError, match="route"):
+        torch_tree_attention(**inputs, route="dense")
+
+
 def test_torch_fallback_without_fused_cpu_kernel(monkeypatch):
     """The device-agnostic prefix path (chunked fp32 matmuls) also matches."""
     import kernels.torchops.tree_attention as mod
 
     monkeypatch.setattr(mod, "_FLASH_CPU", None)
     monkeypatch.setattr(mod, "_CHUNK", 64)
-    monkeypatch.setattr(mod, "_use_row_tiles", lambda *args: False)
     inputs = make_inputs(
         [random_tree(30, 4), random_tree(3, 5)], [200, 0], 2, 4, 64, torch.float32, 16
     )
-    assert_matches_reference("torch", inputs)
+    assert_matches_fused_route(inputs)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -562,11 +598,10 @@ def test_torch_long_prefix_in_pieces(monkeypatch, dtype: str):
     import kernels.torchops.tree_attention as mod
 
     monkeypatch.setattr(mod, "_KV_SPLIT", 64)
-    monkeypatch.setattr(mod, "_use_row_tiles", lambda *args: False)
     inputs = make_inputs(
         [random_tree(20, 8), random_tree(4, 9)], [700, 129], 2, 4, 64, DTYPES[dtype], 16
     )
-    assert_matches_reference("torch", inputs)
+    assert_matches_fused_route(inputs)
 
 
 # ----------------------------------------------------------------------------- triton specifics

@@ -241,10 +241,14 @@ class _Group:
     bias: torch.Tensor
 
 
-def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Group]:
-    """Group the requests and unpack their masks, once per (tree batch, lengths, dtype)."""
+def _plan(
+    tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype, route: str = "auto"
+) -> list[_Group]:
+    """Group the requests and unpack their masks, once per (tree batch, lengths, dtype,
+    route)."""
     plens = tuple(prefix_lens.tolist())
-    key = (plens, dtype, torch.is_inference_mode_enabled())  # no inference tensors in autograd
+    # Inference tensors cannot be used in autograd: one plan per inference mode too.
+    key = (plens, dtype, route, torch.is_inference_mode_enabled())
     try:
         with _PLANS_LOCK:
             cache = _PLANS.setdefault(tree, {})
@@ -265,7 +269,7 @@ def _plan(tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype) -> list[_Gro
         else:
             idx = torch.cat([torch.arange(cu[b], cu[b] + n) for b in reqs])
             rows = idx.to(tree.packed_mask.device)
-        row_tiles = _use_row_tiles(tree.packed_mask.device, dtype, n)
+        row_tiles = route != "fused" and _use_row_tiles(tree.packed_mask.device, dtype, n)
         bias_dtype = torch.float32 if row_tiles else dtype
         bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, bias_dtype)
         groups.append(_Group(plen, n, reqs, rows, row_tiles, bias))
@@ -462,8 +466,9 @@ def tree_attention(
     block_table: torch.Tensor | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    route: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Tree attention: prefix by fused SDPA (no mask), tree block masked, LSE merge.
+    """Tree attention without a dense mask: row tiles or fused prefix + tree block.
 
     Args:
         q: ``[T, Hq, D]`` fp32/fp16/bf16 queries of all tree nodes, ``tree.cu_nodes`` order.
@@ -475,15 +480,20 @@ def tree_attention(
         block_table: ``int[B, max_blocks]`` or None (contiguous).
         scale: softmax scale, default ``1/sqrt(D)``.
         return_lse: also return ``lse [T, Hq]`` fp32 (natural log).
+        route: ``"auto"`` (row tiles where they apply, see the module doc) or
+            ``"fused"`` (always the fused prefix pass + masked tree block, for
+            comparison).
 
     Returns:
         ``out [T, Hq, D]`` in q's dtype (and ``lse [T, Hq]`` fp32 if asked).
     """
+    if route not in ("auto", "fused"):
+        raise ValueError(f"route must be 'auto' or 'fused', got {route!r}")
     total, hq, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.empty_like(q)
     lse = torch.empty(total, hq, dtype=torch.float32, device=q.device)
-    for grp in _plan(tree, prefix_lens, q.dtype):
+    for grp in _plan(tree, prefix_lens, q.dtype, route):
         if grp.row_tiles:
             _row_tile_group(
                 q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None
