@@ -154,7 +154,9 @@ def backend(request) -> str:
 
 
 # ----------------------------------------------------------------------------- vs reference
-def test_random_cases_match_reference(backend: str) -> None:
+def test_random_cases_match_reference(backend: str, monkeypatch) -> None:
+    import kernels.torchops.tree_attention as torch_mod
+
     lim = LIMITS[backend]
 
     @settings(max_examples=lim["examples"], deadline=None)
@@ -178,6 +180,9 @@ def test_random_cases_match_reference(backend: str) -> None:
             seed=data.draw(st.integers(0, 2**31 - 1), label="seed"),
         )
         scale = data.draw(st.sampled_from([None, 0.05]), label="scale")
+        if backend == "torch":  # the torch row tiles: batched when small, by default
+            small = data.draw(st.sampled_from([0, 256 << 10, 1 << 40]), label="small_tile")
+            monkeypatch.setattr(torch_mod, "_SMALL_TILE_BYTES", small)
         assert_matches_reference(backend, inputs, scale)
 
     check()
@@ -401,7 +406,7 @@ def _spy_paths(monkeypatch) -> list[str]:
     import kernels.torchops.tree_attention as mod
 
     taken: list[str] = []
-    for name in ("_row_tile_group", "_split_group"):
+    for name in ("_small_group", "_row_tile_group", "_split_group"):
         real = getattr(mod, name)
 
         def spy(*args, real=real, name=name, **kwargs):
@@ -415,17 +420,20 @@ def _spy_paths(monkeypatch) -> list[str]:
 @pytest.mark.parametrize(
     "dtype, n, plen, path",
     [
-        ("bf16", 12, 1000, "row"),
+        ("bf16", 12, 100, "small"),  # 2 heads x 12 x 112 fp32 scores <= 256 KB: one tile
+        ("fp32", 12, 100, "small"),
+        ("bf16", 12, 3000, "row"),  # 2 x 12 x 3012 x 4 B > 256 KB
         ("bf16", 12, 5000, "row"),  # two key pieces
+        ("fp32", 12, 3000, "row"),
         ("bf16", 500, 10, "split"),  # one head's [n, 4096 + n] fp32 scores > 8 MB
-        ("fp32", 12, 1000, "row"),
         ("fp32", 500, 10, "split"),
+        ("fp16", 12, 100, "split"),
         ("fp16", 12, 1000, "split"),
     ],
 )
 def test_torch_path_choice(monkeypatch, dtype: str, n: int, plen: int, path: str):
-    """bf16 and fp32 on the CPU take the row tiles unless the tree is huge; fp16 the
-    fused pass."""
+    """bf16 and fp32 on the CPU take the row tiles (one batched tile when small) unless
+    the tree is huge; fp16 the fused pass."""
     taken = _spy_paths(monkeypatch)
     inputs = make_inputs([random_tree(n, 1)], [plen], 1, 2, 64, DTYPES[dtype], None)
     assert_matches_reference("torch", inputs)
@@ -457,6 +465,7 @@ def test_torch_row_tiles(
     through oneDNN (with V^T copied) or through ``matmul``."""
     import kernels.torchops.tree_attention as mod
 
+    monkeypatch.setattr(mod, "_SMALL_TILE_BYTES", 0)  # these shapes are small
     if pv_onednn_rows is not None:
         monkeypatch.setattr(mod, "_PV_ONEDNN_ROWS", pv_onednn_rows)
     if tile_bytes is not None:
@@ -473,10 +482,60 @@ def test_torch_row_tiles(
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_torch_small_groups(monkeypatch, dtype: str, paged: bool):
+    """Small groups in one batched tile each: requests 0, 2, 4 and requests 1, 3 (rows
+    not adjacent), requests 5, 6 (adjacent, prefix 0)."""
+    taken = _spy_paths(monkeypatch)
+    tree_list = [random_tree(6, 1), TokenTree.chain(3), random_tree(6, 2)]
+    tree_list += [TokenTree.chain(3), random_tree(6, 3), random_tree(4, 4), random_tree(4, 5)]
+    plens = [50, 9, 50, 9, 50, 0, 0]
+    inputs = make_inputs(tree_list, plens, 2, 4, 64, DTYPES[dtype], 16 if paged else None)
+    assert_matches_reference("torch", inputs)
+    assert taken == ["small"] * 3
+
+
+@pytest.mark.parametrize("route", ["small", "row", "fused"])
+def test_torch_consecutive_paged_blocks(monkeypatch, route: str):
+    """Requests whose pages are consecutive blocks are read as views of the paged cache
+    (no gather): same result as the reference, and as the cache's contiguous layout."""
+    import kernels.torchops.tree_attention as mod
+
+    monkeypatch.setattr(mod, "_SMALL_TILE_BYTES", 1 << 40 if route == "small" else 0)
+    contiguous = make_inputs(
+        [random_tree(9, 1), random_tree(5, 2)], [37, 70], 2, 4, 64, torch.float32, None
+    )
+    b, slots = contiguous["k_cache"].shape[:2]
+    bs = 16
+    pad = -slots % bs  # whole pages of NaN after each request
+    paged = dict(contiguous)
+    for name in ("k_cache", "v_cache"):
+        cache = torch.nn.functional.pad(contiguous[name], (0, 0, 0, 0, 0, pad), value=float("nan"))
+        paged[name] = cache.view(-1, bs, *cache.shape[2:])
+    per_req = (slots + pad) // bs
+    paged["block_table"] = torch.arange(b * per_req, dtype=torch.int32).view(b, per_req)
+    taken = _spy_paths(monkeypatch)
+    real_workspace = mod._workspace
+
+    def no_gather(slot: str, *args, **kwargs):
+        assert slot not in ("k", "v"), "pages gathered, not viewed"
+        return real_workspace(slot, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "_workspace", no_gather)
+    fused = route == "fused"
+    out = mod.tree_attention(**paged, route="fused" if fused else "auto")
+    want = mod.tree_attention(**contiguous, route="fused" if fused else "auto")
+    assert set(taken) == {"split" if fused else route}
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(out, reference.tree_attention(**paged), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_torch_row_tiles_without_onednn(monkeypatch, dtype: str):
     """torch builds without oneDNN: the row tiles' fp32 GEMMs fall back to ``matmul``."""
     import kernels.torchops.tree_attention as mod
 
+    monkeypatch.setattr(mod, "_SMALL_TILE_BYTES", 0)
     monkeypatch.setattr(mod, "_ONEDNN_LINEAR", None)
     monkeypatch.setattr(mod, "_PV_ONEDNN_ROWS", 0)
     inputs = make_inputs(
@@ -574,7 +633,7 @@ def test_torch_fused_route_on_request(monkeypatch, dtype: str, paged: bool):
     assert set(taken) == {"split"}
     taken.clear()
     assert_matches_reference("torch", inputs)
-    assert set(taken) == {"row"}
+    assert set(taken) == {"small"}
     with pytest.raises(ValueError, match="route"):
         torch_tree_attention(**inputs, route="dense")
 

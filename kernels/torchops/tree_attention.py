@@ -57,6 +57,7 @@ _KV_SPLIT = 2048  # prefix tokens per fused-kernel call on long prefixes (cache 
 _WORKSPACE = threading.local()
 _TILE_BYTES = 2 << 20  # fp32 score tile of the row-tile path (about the L2 size)
 _TILE_BYTES_MAX = 8 << 20  # ... unless one query head's scores need more (big trees)
+_SMALL_TILE_BYTES = 256 << 10  # a request's scores up to this: one tile of all heads
 _ROW_TILE_KEYS = 4096  # keys per piece of the row-tile path (long prefixes: several)
 _PLANS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 _PLANS_PER_TREE = 8  # plans kept per TreeBatch (distinct prefix lengths / dtypes)
@@ -127,7 +128,7 @@ def _prefix_kv(
     if block_table is None:
         if reqs == list(range(r0, r0 + count)):
             return _kv_window(cache, r0, count, 0, plen)
-        return cache[reqs][:, :plen].transpose(1, 2)
+        return cache[reqs, :plen].transpose(1, 2)
     bs, h, d = cache.shape[1:]
     nblk = (plen + bs - 1) // bs
     blocks = block_table[reqs, :nblk].to(torch.int64)
@@ -140,6 +141,36 @@ def _prefix_kv(
         torch.index_select(cache, 0, blocks.view(-1), out=buf)
         flat = buf.view(count, nblk * bs, h, d)
     return flat[:, :plen].transpose(1, 2)
+
+
+def _request_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    r: int,
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of request ``r``'s first ``length`` positions, ``[Hkv, length, D]`` each.
+
+    Views of a contiguous cache or of one run of consecutive paged blocks; other paged
+    layouts are gathered into reused workspaces (the block ids are read once for both).
+    """
+    if block_table is None:
+        return _kv_window(k_cache, r, 1, 0, length)[0], _kv_window(v_cache, r, 1, 0, length)[0]
+    bs, h, d = k_cache.shape[1:]
+    nblk = (length + bs - 1) // bs
+    ids = block_table[r, :nblk]
+    first = int(ids[0])
+    kv = []
+    if ids.tolist() == list(range(first, first + nblk)):  # a view, no copy
+        for cache in (k_cache, v_cache):
+            kv.append(cache[first : first + nblk].view(nblk * bs, h, d)[:length].transpose(0, 1))
+    else:
+        for cache, slot in ((k_cache, "k"), (v_cache, "v")):
+            buf = _workspace(slot, nblk * bs * h * d, cache).view(nblk, bs, h, d)
+            torch.index_select(cache, 0, ids, out=buf)
+            kv.append(buf.view(nblk * bs, h, d)[:length].transpose(0, 1))
+    return kv[0], kv[1]
 
 
 def _tree_kv(
@@ -310,6 +341,50 @@ def _gemm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.T
 
 
+def _small_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    grp: _Group,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> None:
+    """The row tiles of a small request as one tile of all its heads (batched ``matmul``).
+
+    Same arithmetic as ``_row_tile_group`` (fp32 scores and softmax, ``P`` in q's
+    dtype) in a handful of ops per request: at small shapes the per-op overhead, not
+    the GEMMs, is the cost. Scores ``[Hkv, G * n, P + n]`` fp32, at most
+    ``_SMALL_TILE_BYTES``; the cache is read in place (a strided view per request).
+    """
+    _, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    n, plen = grp.n, grp.plen
+    length = plen + n
+    for i, r in enumerate(grp.reqs):
+        rows = _request_rows(grp, i)
+        k, v = _request_kv(k_cache, v_cache, block_table, r, length)  # [Hkv, L, D]
+        qs = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+        s = torch.matmul(qs.float() * scale, k.float().transpose(-1, -2))  # [Hkv, G*n, L]
+        s.view(hkv, g, n, length)[..., plen:] += grp.bias[i]
+        m = s.amax(-1) if lse is not None else None
+        p = torch.softmax(s, -1)
+        o = torch.matmul(p.to(q.dtype), v)  # [Hkv, G * n, D]
+        out[rows] = o.view(hq, n, d).transpose(0, 1)
+        if lse is not None:  # p's row max is exp(0) / sum: lse = m + log(sum)
+            lse[rows] = (m - torch.log(p.amax(-1))).view(hq, n).T
+
+
+def _request_rows(grp: _Group, i: int) -> slice | torch.Tensor:
+    """Query rows of the group's ``i``-th request."""
+    n = grp.n
+    if isinstance(grp.rows, slice):
+        return slice(grp.rows.start + i * n, grp.rows.start + (i + 1) * n)
+    return grp.rows[i * n : (i + 1) * n]
+
+
 def _row_tile_group(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -346,16 +421,10 @@ def _row_tile_group(
     v_buf = _workspace("v_rows", widest * d, q) if pv_onednn else None
     vt_buf = _workspace("v_fp32_t", widest * d, q) if pv_onednn else None
     q_buf = _workspace("q_fp32", hq * n * d, q, torch.float32)
-    rows_of = (
-        (lambda i: slice(grp.rows.start + i * n, grp.rows.start + (i + 1) * n))
-        if isinstance(grp.rows, slice)
-        else (lambda i: grp.rows[i * n : (i + 1) * n])
-    )
     need_lse = lse is not None or len(pieces) > 1
     for i, r in enumerate(grp.reqs):
-        rows = rows_of(i)
-        k_r = _prefix_kv(k_cache, block_table, [r], length, "k")[0]  # [Hkv, L, D]
-        v_r = _prefix_kv(v_cache, block_table, [r], length, "v")[0]  # [Hkv, L, D]
+        rows = _request_rows(grp, i)
+        k_r, v_r = _request_kv(k_cache, v_cache, block_table, r, length)  # [Hkv, L, D]
         # [Hkv, G, n, D] fp32 queries, pre-scaled, contiguous; head h = kv_head * G + g.
         qr = q_buf.view(hkv, g, n, d)
         qr.copy_(q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3)).mul_(scale)
@@ -494,7 +563,12 @@ def tree_attention(
     out = torch.empty_like(q)
     lse = torch.empty(total, hq, dtype=torch.float32, device=q.device)
     for grp in _plan(tree, prefix_lens, q.dtype, route):
-        if grp.row_tiles:
+        small = grp.n * hq * (grp.plen + grp.n) * 4 <= _SMALL_TILE_BYTES
+        if grp.row_tiles and small:
+            _small_group(
+                q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None
+            )
+        elif grp.row_tiles:
             _row_tile_group(
                 q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None
             )
