@@ -19,8 +19,8 @@ K/V tile is shared by all of them and never expanded. Requests with the same
 consecutive paged blocks are read as strided views, other paged layouts are
 gathered once into a reused workspace.
 
-The row-tile route: bf16 and fp32 on the CPU take it (unless a tree is so big that one query
-head's scores over one key piece exceed ``_TILE_BYTES_MAX``), because the fused CPU
+The row-tile route: bf16 and fp32 on the CPU take it (unless a tree is so big that
+one query head's scores over one key piece exceed ``_TILE_BYTES_MAX``), as the fused CPU
 kernel leaves speed unused: its GEMMs are MKL's, which on AMD CPUs run AVX2 code
 (about 107 GFLOP/s fp32 on one core here, where oneDNN's fp32 GEMM runs 226), and its
 bf16 GEMMs run at that fp32 speed without AMX (a bf16 ``matmul`` is about 4x faster).
@@ -31,12 +31,15 @@ last piece with the ``[n, n]`` ancestor bias added to their columns only, one fp
 softmax per row, then ``P V``: bf16 ``matmul`` with ``P`` in bf16 (as the fused kernel
 does), or fp32 through oneDNN (``matmul`` for small trees, where copying V^T costs more
 than it saves); several pieces are merged by LSE in fp32. No mask beyond ``[n, n]``,
-and the workspace is a bounded tile, never ``[N, P + N]``. The time of dense masked
-SDPA here (``python -m bench.attention``): see the README.
+and the workspace is a bounded tile, never ``[N, P + N]``. A small request (all its
+heads' scores within ``_SMALL_TILE_BYTES``, e.g. a decode step of a small model) is
+one tile of all its heads in a handful of batched ops instead, since there the number
+of ops, not the GEMMs, sets the time. The time of dense masked SDPA here
+(``python -m bench.attention``): see the README.
 
-The grouping of requests and the unpacked ``[n, n]`` biases depend only on the
-``TreeBatch``, the prefix lengths and the dtype; they are computed once and reused
-by every later call with the same three (every layer of a decoding step).
+The grouping of requests, the route and the unpacked ``[n, n]`` biases depend only on
+the ``TreeBatch``, the prefix lengths, the dtype and ``route``; they are computed
+once and reused by every later call with the same (every layer of a decoding step).
 """
 
 from __future__ import annotations
