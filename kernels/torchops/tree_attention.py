@@ -119,61 +119,41 @@ def _kv_window(cache: torch.Tensor, r0: int, count: int, start: int, length: int
     )
 
 
-def _prefix_kv(
-    cache: torch.Tensor,
-    block_table: torch.Tensor | None,
-    reqs: list[int],
-    plen: int,
-    slot: str,
-) -> torch.Tensor:
-    """Prefix K or V of requests ``reqs``: ``[R, Hkv, plen, D]`` (a view when possible)."""
-    r0, count = reqs[0], len(reqs)
-    if block_table is None:
-        if reqs == list(range(r0, r0 + count)):
-            return _kv_window(cache, r0, count, 0, plen)
-        return cache[reqs, :plen].transpose(1, 2)
-    bs, h, d = cache.shape[1:]
-    nblk = (plen + bs - 1) // bs
-    blocks = block_table[reqs, :nblk].to(torch.int64)
-    first = blocks[:, :1]
-    if count == 1 and bool((blocks == first + torch.arange(nblk, device=blocks.device)).all()):
-        start = int(first)  # one run of consecutive blocks: a view, no copy
-        flat = cache[start : start + nblk].reshape(1, nblk * bs, h, d)
-    else:
-        buf = _workspace(slot, count * nblk * bs * h * d, cache).view(count * nblk, bs, h, d)
-        torch.index_select(cache, 0, blocks.view(-1), out=buf)
-        flat = buf.view(count, nblk * bs, h, d)
-    return flat[:, :plen].transpose(1, 2)
-
-
-def _request_kv(
+def _group_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor | None,
-    r: int,
+    reqs: list[int],
     length: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of request ``r``'s first ``length`` positions, ``[Hkv, length, D]`` each.
+    """K and V of the first ``length`` positions of requests ``reqs``: ``[R, Hkv, length,
+    D]`` each.
 
-    Views of a contiguous cache or of one run of consecutive paged blocks; other paged
-    layouts are gathered into reused workspaces (the block ids are read once for both).
+    Views of a contiguous cache (consecutive requests) or of one request's run of
+    consecutive paged blocks; otherwise copies (paged blocks gathered into reused
+    workspaces, the block ids read once for both).
     """
+    r0, count = reqs[0], len(reqs)
+    caches = (k_cache, v_cache)
     if block_table is None:
-        return _kv_window(k_cache, r, 1, 0, length)[0], _kv_window(v_cache, r, 1, 0, length)[0]
+        if reqs == list(range(r0, r0 + count)):
+            k, v = (_kv_window(c, r0, count, 0, length) for c in caches)
+        else:
+            k, v = (c[reqs, :length].transpose(1, 2) for c in caches)
+        return k, v
     bs, h, d = k_cache.shape[1:]
     nblk = (length + bs - 1) // bs
-    ids = block_table[r, :nblk]
-    first = int(ids[0])
-    kv = []
-    if ids.tolist() == list(range(first, first + nblk)):  # a view, no copy
-        for cache in (k_cache, v_cache):
-            kv.append(cache[first : first + nblk].view(nblk * bs, h, d)[:length].transpose(0, 1))
+    ids = block_table[reqs, :nblk]
+    first = int(ids[0, 0])
+    if count == 1 and ids[0].tolist() == list(range(first, first + nblk)):
+        flats = [c[first : first + nblk].reshape(1, nblk * bs, h, d) for c in caches]
     else:
-        for cache, slot in ((k_cache, "k"), (v_cache, "v")):
-            buf = _workspace(slot, nblk * bs * h * d, cache).view(nblk, bs, h, d)
-            torch.index_select(cache, 0, ids, out=buf)
-            kv.append(buf.view(nblk * bs, h, d)[:length].transpose(0, 1))
-    return kv[0], kv[1]
+        flats = []
+        for c, slot in zip(caches, ("k", "v"), strict=True):
+            buf = _workspace(slot, count * nblk * bs * h * d, c).view(count * nblk, bs, h, d)
+            torch.index_select(c, 0, ids.reshape(-1), out=buf)
+            flats.append(buf.view(count, nblk * bs, h, d))
+    return flats[0][:, :length].transpose(1, 2), flats[1][:, :length].transpose(1, 2)
 
 
 def _tree_kv(
@@ -339,7 +319,9 @@ def _gemm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``matmul`` on AMD CPUs, where MKL takes its AVX2 code (226 vs 107 GFLOP/s on one
     core here), and as fast elsewhere. Same fp32 arithmetic, no lower precision.
     """
-    if _ONEDNN_LINEAR is not None and a.device.type == "cpu":
+    # (oneDNN is 1000x slower on strided operands: contiguous ones only)
+    cpu = a.device.type == "cpu"
+    if _ONEDNN_LINEAR is not None and cpu and a.is_contiguous() and b.is_contiguous():
         return _ONEDNN_LINEAR(a, b, None, "none", [], "")
     return a @ b.T
 
@@ -368,7 +350,7 @@ def _small_group(
     length = plen + n
     for i, r in enumerate(grp.reqs):
         rows = _request_rows(grp, i)
-        k, v = _request_kv(k_cache, v_cache, block_table, r, length)  # [Hkv, L, D]
+        k, v = (t[0] for t in _group_kv(k_cache, v_cache, block_table, [r], length))
         qs = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
         s = torch.matmul(qs.float() * scale, k.float().transpose(-1, -2))  # [Hkv, G*n, L]
         s.view(hkv, g, n, length)[..., plen:] += grp.bias[i]
@@ -427,7 +409,7 @@ def _row_tile_group(
     need_lse = lse is not None or len(pieces) > 1
     for i, r in enumerate(grp.reqs):
         rows = _request_rows(grp, i)
-        k_r, v_r = _request_kv(k_cache, v_cache, block_table, r, length)  # [Hkv, L, D]
+        k_r, v_r = (t[0] for t in _group_kv(k_cache, v_cache, block_table, [r], length))
         # [Hkv, G, n, D] fp32 queries, pre-scaled, contiguous; head h = kv_head * G + g.
         qr = q_buf.view(hkv, g, n, d)
         qr.copy_(q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3)).mul_(scale)
@@ -510,8 +492,7 @@ def _split_group(
     out_t = out_t.view(count, hkv, g, n, d)
     lse_t = lse_t.view(count, hkv, g, n)
     if plen > 0:
-        kp = _prefix_kv(k_cache, block_table, reqs, plen, "k")
-        vp = _prefix_kv(v_cache, block_table, reqs, plen, "v")
+        kp, vp = _group_kv(k_cache, v_cache, block_table, reqs, plen)
         out_p, lse_p = _prefix_attend(qh.view(count, hkv, g * n, d), kp, vp, scale)
         out_p, lse_p = out_p.view(out_t.shape), lse_p.view(lse_t.shape)
         # LSE merge: out = out_p + w * (out_t - out_p), w = the tree block's share.
