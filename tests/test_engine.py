@@ -236,3 +236,18 @@ def test_bad_input_fails_before_any_work(models):
     with pytest.raises(ValueError, match="max_tokens"):
         engine.add_request([1], SamplingParams(max_tokens=0))
     assert not engine.has_work()
+
+
+def test_onednn_linears_switched_unless_disabled():
+    """The engine routes the models' fp32 linears through oneDNN (multi-row GEMMs),
+    and leaves them alone with ``onednn_linear=False``."""
+    from tree_dev.onednn_linear import onednn_available
+
+    target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
+    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64, onednn_linear=False)
+    switched = lambda m: [n for n, x in m.named_modules() if "forward" in x.__dict__]  # noqa: E731
+    assert switched(target) == [] and switched(draft) == []
+    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64)
+    n_linear = sum(isinstance(x, torch.nn.Linear) for x in target.modules())
+    want = n_linear if onednn_available() else 0  # torch builds without oneDNN: untouched
+    assert n_linear > 0 and len(switched(target)) == want and len(switched(draft)) == want

@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import kernels
 from tree_dev.attention import TreeForward, register
 from tree_dev.kv_cache import PagedKVCache
+from tree_dev.onednn_linear import use_onednn_linears
 from tree_dev.spec import NoDraftPolicy, Policy, StaticPolicy, TopKPolicy, parse_tree_spec
 from tree_dev.tree import TokenTree, TreeBatch
 
@@ -297,6 +298,9 @@ class Engine:
             children without replacement from the draft distribution (Gumbel
             top-k) and verify with ``draft_probs``; static trees only. Default:
             deterministic top-ranked children verified with ``target_only``.
+        onednn_linear: route the models' fp32 CPU linear layers through oneDNN for
+            multi-row inputs (tree verify, prefill; see ``tree_dev.onednn_linear``).
+            Switches the given models' layers in place.
     """
 
     def __init__(
@@ -311,6 +315,7 @@ class Engine:
         block_size: int = 16,
         eos_token_id: int | None = None,
         draft_sampling: bool = False,
+        onednn_linear: bool = True,
     ):
         self.policy: Policy = parse_tree_spec(tree)
         if draft_sampling and not isinstance(self.policy, StaticPolicy):
@@ -377,6 +382,10 @@ class Engine:
                 kernel_backend,
                 eagle=eagle is not None,
             )
+        if onednn_linear:
+            for model in (target, drafter):
+                if model is not None:
+                    use_onednn_linears(model)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
