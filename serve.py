@@ -44,9 +44,10 @@ E2E_REPORT = REPO / "results" / "e2e.json"
 GATES_REPORT = REPO / "results" / "gates.json"
 #: Tree policy when ``results/e2e.json`` has no ``best_policy``: measured by
 #: ``python -m bench.e2e`` on the committed tiny set (EAGLE head, batch 1, CPU) at
-#: 1.59x autoregressive tokens/s, tau 6.17 (chain:8 1.58x, tau 5.82; fastest in that
-#: run topk:k=2,depth=4,budget=8 at 1.62x; run-to-run spread about 7%), and with top-K
-#: tau >= the chain's at the same node budget (the propose gate).
+#: 1.48x autoregressive tokens/s, tau 6.17 (chain:8 1.51x, tau 5.82; the best in that
+#: run, topk:k=2,depth=4,budget=4, 1.57x; medians of 3 rounds, per-round spread
+#: 0.1-0.2), and with top-K tau >= the chain's at the same node budget (the propose
+#: gate).
 DEFAULT_TREE = "topk:k=2,depth=8,budget=8,temp=0.3"
 GATE_STAGES = ("kernels", "verify", "propose", "serve")
 DISCONNECT_POLL_S = 0.5  # how often a handler asks whether its client is still there
