@@ -20,7 +20,7 @@ tokens/s, which folds in the verify cost of its tree size and the draft's cost,
 not acceptance alone. Writes ``results/e2e.json`` (``best_policy`` is read by
 ``serve.py``) and ``results/e2e.png``.
 
-    python -m bench.e2e            # full grid, 3 rounds (about 6 minutes)
+    python -m bench.e2e            # full grid, 3 rounds (about 7 minutes)
     python -m bench.e2e --quick    # budgets 4 and 16, fewer prompts, 1 round
 """
 
