@@ -484,15 +484,15 @@ def test_torch_row_tiles(
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_torch_small_groups(monkeypatch, dtype: str, paged: bool):
-    """Small groups in one batched tile each: requests 0, 2, 4 and requests 1, 3 (rows
-    not adjacent), requests 5, 6 (adjacent, prefix 0)."""
+    """A small request alone is one tile (requests 0, 1, 4: prefix 50, 9 and 0); small
+    requests of one shape (2 and 3) go together through the fused route."""
     taken = _spy_paths(monkeypatch)
-    tree_list = [random_tree(6, 1), TokenTree.chain(3), random_tree(6, 2)]
-    tree_list += [TokenTree.chain(3), random_tree(6, 3), random_tree(4, 4), random_tree(4, 5)]
-    plens = [50, 9, 50, 9, 50, 0, 0]
+    tree_list = [random_tree(6, 1), TokenTree.chain(3), random_tree(5, 2), random_tree(5, 3)]
+    tree_list += [random_tree(4, 4)]
+    plens = [50, 9, 30, 30, 0]
     inputs = make_inputs(tree_list, plens, 2, 4, 64, DTYPES[dtype], 16 if paged else None)
     assert_matches_reference("torch", inputs)
-    assert taken == ["small"] * 3
+    assert sorted(taken) == ["small", "small", "small", "split"]
 
 
 @pytest.mark.parametrize("route", ["small", "row", "fused"])
@@ -591,13 +591,14 @@ def test_torch_plan_is_cached_per_prefix_lengths():
         [random_tree(6, 1), random_tree(6, 2)], [10, 10], 1, 2, 64, torch.float32, None
     )
     tb = inputs["tree"]
-    first = mod._plan(tb, inputs["prefix_lens"], torch.float32)
-    assert mod._plan(tb, inputs["prefix_lens"], torch.float32) is first
+    first = mod._plan(tb, inputs["prefix_lens"], torch.float32, 2)
+    assert mod._plan(tb, inputs["prefix_lens"], torch.float32, 2) is first
     assert len(first) == 1 and first[0].reqs == [0, 1]  # same (prefix, size): one group
-    other = mod._plan(tb, torch.tensor([10, 11]), torch.float32)
+    other = mod._plan(tb, torch.tensor([10, 11]), torch.float32, 2)
     assert other is not first and len(other) == 2
+    assert mod._plan(tb, inputs["prefix_lens"], torch.float32, 8) is not first  # heads
     for i in range(mod._PLANS_PER_TREE + 2):  # bounded
-        mod._plan(tb, torch.tensor([i, i]), torch.float32)
+        mod._plan(tb, torch.tensor([i, i]), torch.float32, 2)
     assert len(mod._PLANS[tb]) == mod._PLANS_PER_TREE
 
 

@@ -243,26 +243,27 @@ def _prefix_attend(
 @dataclass
 class _Group:
     """Requests ``reqs`` sharing ``(plen, n)``; ``rows`` their query rows (slice if
-    consecutive and in order); ``row_tiles`` the route (see ``_use_row_tiles``);
-    ``bias`` the ``[R, 1, n, n]`` additive ancestor mask, in the dtype the route adds
-    it in (fp32 scores of the row tiles, else the fused kernel's q dtype)."""
+    consecutive and in order); ``path`` how they are computed (``"small"``: one tile
+    of a lone request, ``"rows"``: row tiles, ``"fused"``: fused prefix pass + tree
+    block); ``bias`` the ``[R, 1, n, n]`` additive ancestor mask, in the dtype the
+    path adds it in (fp32 scores of the tiles, else the fused kernel's q dtype)."""
 
     plen: int
     n: int
     reqs: list[int]
     rows: slice | torch.Tensor
-    row_tiles: bool
+    path: str
     bias: torch.Tensor
 
 
 def _plan(
-    tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype, route: str = "auto"
+    tree: Any, prefix_lens: torch.Tensor, dtype: torch.dtype, heads: int, route: str = "auto"
 ) -> list[_Group]:
-    """Group the requests and unpack their masks, once per (tree batch, lengths, dtype,
-    route)."""
+    """Group the requests, choose their paths and unpack their masks, once per (tree
+    batch, lengths, dtype, query heads, route)."""
     plens = tuple(prefix_lens.tolist())
     # Inference tensors cannot be used in autograd: one plan per inference mode too.
-    key = (plens, dtype, route, torch.is_inference_mode_enabled())
+    key = (plens, dtype, heads, route, torch.is_inference_mode_enabled())
     try:
         with _PLANS_LOCK:
             cache = _PLANS.setdefault(tree, {})
@@ -283,15 +284,29 @@ def _plan(
         else:
             idx = torch.cat([torch.arange(cu[b], cu[b] + n) for b in reqs])
             rows = idx.to(tree.packed_mask.device)
-        row_tiles = route != "fused" and _use_row_tiles(tree.packed_mask.device, dtype, n)
-        bias_dtype = torch.float32 if row_tiles else dtype
+        path = _choose_path(tree.packed_mask.device, dtype, route, heads, plen, n, count)
+        bias_dtype = dtype if path == "fused" else torch.float32
         bias = _tree_bias(tree.packed_mask[rows].view(count, n, -1), n, bias_dtype)
-        groups.append(_Group(plen, n, reqs, rows, row_tiles, bias))
+        groups.append(_Group(plen, n, reqs, rows, path, bias))
     with _PLANS_LOCK:  # several threads may plan for one TreeBatch
         while len(cache) >= _PLANS_PER_TREE:
             cache.pop(next(iter(cache)))
         cache[key] = groups
     return groups
+
+
+def _choose_path(
+    device: torch.device, dtype: torch.dtype, route: str, heads: int, plen: int, n: int, count: int
+) -> str:
+    """``"small"``, ``"rows"`` or ``"fused"`` for ``count`` requests of ``n`` nodes
+    after ``plen`` prefix tokens. Small requests (all heads' fp32 scores within
+    ``_SMALL_TILE_BYTES``) cost per op: one alone is one tile; several of one shape go
+    together through the fused route, one kernel call for all of them."""
+    if route == "fused" or not _use_row_tiles(device, dtype, n):
+        return "fused"
+    if heads * n * (plen + n) * 4 <= _SMALL_TILE_BYTES:
+        return "small" if count == 1 else "fused"
+    return "rows"
 
 
 def _use_row_tiles(device: torch.device, dtype: torch.dtype, n: int) -> bool:
@@ -546,16 +561,10 @@ def tree_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.empty_like(q)
     lse = torch.empty(total, hq, dtype=torch.float32, device=q.device)
-    for grp in _plan(tree, prefix_lens, q.dtype, route):
-        small = grp.n * hq * (grp.plen + grp.n) * 4 <= _SMALL_TILE_BYTES
-        if grp.row_tiles and small:
-            _small_group(
-                q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None
-            )
-        elif grp.row_tiles:
-            _row_tile_group(
-                q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None
-            )
-        else:
+    for grp in _plan(tree, prefix_lens, q.dtype, hq, route):
+        if grp.path == "fused":
             _split_group(q, k_cache, v_cache, block_table, grp, scale, out, lse)
+        else:
+            tiles = _small_group if grp.path == "small" else _row_tile_group
+            tiles(q, k_cache, v_cache, block_table, grp, scale, out, lse if return_lse else None)
     return (out, lse) if return_lse else out
