@@ -1,6 +1,7 @@
 """Tree attention in plain PyTorch: two routes, neither builds a dense mask.
 
-The fused route (fp16, trees of several hundred nodes, devices other than the CPU):
+The fused route (fp16, trees of several hundred nodes, devices other than the CPU,
+groups of small requests):
 per request, the ``n`` tree nodes' queries attend to
 
 * the prefix (positions ``0..P-1``): every node sees all of it, so this is plain,
@@ -34,7 +35,8 @@ than it saves); several pieces are merged by LSE in fp32. No mask beyond ``[n, n
 and the workspace is a bounded tile, never ``[N, P + N]``. A small request (all its
 heads' scores within ``_SMALL_TILE_BYTES``, e.g. a decode step of a small model) is
 one tile of all its heads in a handful of batched ops instead, since there the number
-of ops, not the GEMMs, sets the time. The time of dense masked SDPA here
+of ops, not the GEMMs, sets the time; several small requests of one shape take the
+fused route together (one kernel call for all of them). The time of dense masked SDPA here
 (``python -m bench.attention``): see the README.
 
 The grouping of requests, the route and the unpacked ``[n, n]`` biases depend only on
