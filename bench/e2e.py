@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     # is the median over rounds of its tokens/s over its round's baseline, so drift of
     # the shared machine within a round hits both sides alike.
     rounds = args.rounds or (1 if args.quick else 3)
-    base_runs: list[dict] = []
+    baselines: list[dict] = []
     round_base: list[float] = []
     runs: list[list[dict]] = [[] for _ in jobs]
     for rnd in range(rounds):
@@ -248,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             r.update(family=family, budget=budget)
             runs[j].append(r)
         last = run_policy(models, "none", "none", prompts, max_tokens, args.kernel_backend)
-        base_runs += [first, last]
+        baselines += [first, last]
         round_base.append(statistics.median([first["tokens_per_s"], last["tokens_per_s"]]))
-    baselines = base_runs
     base_tps = statistics.median(r["tokens_per_s"] for r in baselines)
     ar_outputs = baselines[0]["outputs"]
     verify_ms = verify_cost(models, args.prompt_tokens, (1, 5, 9, 17, 33, 64), args.kernel_backend)

@@ -39,9 +39,10 @@ of ops, not the GEMMs, sets the time; several small requests of one shape take t
 fused route together (one kernel call for all of them). The time of dense masked SDPA here
 (``python -m bench.attention``): see the README.
 
-The grouping of requests, the route and the unpacked ``[n, n]`` biases depend only on
-the ``TreeBatch``, the prefix lengths, the dtype and ``route``; they are computed
-once and reused by every later call with the same (every layer of a decoding step).
+The grouping of requests, each group's path and the unpacked ``[n, n]`` biases depend
+only on the ``TreeBatch``, the prefix lengths, the dtype, the number of query heads
+and ``route``; they are computed once and reused by every later call with the same
+(every layer of a decoding step).
 """
 
 from __future__ import annotations
@@ -353,30 +354,28 @@ def _small_group(
     out: torch.Tensor,
     lse: torch.Tensor | None,
 ) -> None:
-    """The row tiles of a small request as one tile of all its heads (batched ``matmul``).
+    """A small lone request (``grp`` has one) as one tile of all its heads.
 
     Same arithmetic as ``_row_tile_group`` (fp32 scores and softmax, ``P`` in q's
-    dtype) in a handful of ops per request: at small shapes the per-op overhead, not
-    the GEMMs, is the cost. Scores ``[Hkv, G * n, P + n]`` fp32, at most
-    ``_SMALL_TILE_BYTES``; the cache is read in place (a strided view per request).
+    dtype) in about ten batched ops: at small shapes the per-op overhead, not the
+    GEMMs, is the cost. Scores ``[Hkv, G * n, P + n]`` fp32, at most
+    ``_SMALL_TILE_BYTES``; a contiguous cache is read in place (a strided view).
     """
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
-    n, plen = grp.n, grp.plen
+    n, plen, (r,) = grp.n, grp.plen, grp.reqs
     length = plen + n
-    for i, r in enumerate(grp.reqs):
-        rows = _request_rows(grp, i)
-        k, v = (t[0] for t in _group_kv(k_cache, v_cache, block_table, [r], length))
-        qs = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-        s = torch.matmul(qs.float() * scale, k.float().transpose(-1, -2))  # [Hkv, G*n, L]
-        s.view(hkv, g, n, length)[..., plen:] += grp.bias[i]
-        m = s.amax(-1) if lse is not None else None
-        p = torch.softmax(s, -1)
-        o = torch.matmul(p.to(q.dtype), v)  # [Hkv, G * n, D]
-        out[rows] = o.view(hq, n, d).transpose(0, 1)
-        if lse is not None:  # p's row max is exp(0) / sum: lse = m + log(sum)
-            lse[rows] = (m - torch.log(p.amax(-1))).view(hq, n).T
+    k, v = (t[0] for t in _group_kv(k_cache, v_cache, block_table, [r], length))
+    qs = q[grp.rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+    s = torch.matmul(qs.float() * scale, k.float().transpose(-1, -2))  # [Hkv, G*n, L]
+    s.view(hkv, g, n, length)[..., plen:] += grp.bias[0]
+    m = s.amax(-1) if lse is not None else None
+    p = torch.softmax(s, -1)
+    o = torch.matmul(p.to(q.dtype), v)  # [Hkv, G * n, D]
+    out[grp.rows] = o.view(hq, n, d).transpose(0, 1)
+    if lse is not None:  # p's row max is exp(0) / sum: lse = m + log(sum)
+        lse[grp.rows] = (m - torch.log(p.amax(-1))).view(hq, n).T
 
 
 def _request_rows(grp: _Group, i: int) -> slice | torch.Tensor:
