@@ -1,4 +1,4 @@
-"""``python -m tree_dev.models train|eval [--out DIR] [--minutes M] [--seed S]``."""
+"""``python -m tree_dev.models train|eval|export-eagle-vllm [--out DIR] ...``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--windows", type=int, default=64, help="held-out windows of seq_len tokens")
     ev.add_argument("--record", type=int, default=0, help="store N windows + metrics in --out")
     ev.add_argument("--minutes", type=float, default=None, help="(unused by eval)")
+    ex = sub.add_parser(
+        "export-eagle-vllm",
+        help="write the EAGLE head in the checkpoint format vLLM's eagle proposer loads",
+    )
+    ex.add_argument("--out", default=None, help="output dir (default: results/vllm_eagle/HASH)")
+    ex.add_argument("--head", default=None, help="EAGLE head dir (default: the committed head)")
     args = ap.parse_args(argv)
     cmd = "python -m tree_dev.models " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.cmd == "train":
@@ -55,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             resume=args.resume,
         )
+    elif args.cmd == "export-eagle-vllm":
+        from .export_vllm import export_eagle_for_vllm
+
+        print(export_eagle_for_vllm(args.out, args.head))
     else:
         from .evaluate import run_eval
 

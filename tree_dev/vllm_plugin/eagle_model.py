@@ -1,0 +1,163 @@
+"""The project's EAGLE head as a vLLM model, for vLLM's own ``eagle`` proposer.
+
+vLLM 0.32 ships no EAGLE architecture that computes the project's head
+(``tree_dev/models/eagle.py``).  Per draft token, with ``e`` the target's embedding of
+the input token and ``h`` the target's feature (its final-norm output: vLLM's Llama
+returns exactly that as the hidden state it hands to the proposer)::
+
+    project head:            z = fc(cat(e, h)) + b       one Llama layer WITH its input norm,
+                             g = norm(layer(z))          then its own final norm
+    vLLM EagleLlama (EAGLE-1): fc has no bias; layer 0 drops its input norm; no final norm
+    vLLM Eagle3Llama:        qkv(cat(norm(e), norm(h))): no fc over the pair, other norms
+    vLLM EagleMistral:       fc has no bias, and the embedding is always the target's
+                             (a bias cannot be folded into it)
+    vLLM EagleLlama4:        Llama 4 layers (interleaved rope, no-rope layers, MoE config)
+
+So the head is registered here as its own architecture, built from vLLM's parts
+(``VocabParallelEmbedding``, ``ReplicatedLinear``, the Llama decoder layer with its
+input norm, ``RMSNorm``), and ``register_eagle_model()`` (called by the plugin's
+``register()`` in every vLLM process: the CPU platform spawns its processes, so a
+registration in the caller alone does not reach the workers) adds it to vLLM's
+``ModelRegistry``.  The export
+(``python -m tree_dev.models export-eagle-vllm``) writes ``config.json`` with
+``"architectures": ["EagleTreespecLlamaForCausalLM"]``; the name starts with ``Eagle`` so
+vLLM's ``EAGLEConfig`` keeps it as is.
+
+Contract inside vLLM (``forward``): ``input_ids int64[T]``, ``positions int64[T]``,
+``hidden_states float[T, hidden]`` (target features) -> ``(g, g)``, both
+``float[T, hidden]``: the post-norm output is what the target's shared ``lm_head``
+reads *and* the feature fed back for the next draft step, as in the project's engine.
+vLLM gives the pair ``(x_{i+1}, h_i)`` position ``i`` where the project uses ``i + 1``;
+rotary attention depends only on position differences, so the result is the same.
+The embedding and ``lm_head`` are not in the checkpoint: vLLM's proposer shares the
+target's (``has_own_embed_tokens`` / ``has_own_lm_head`` stay False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
+from vllm.model_executor.models.llama_eagle import LlamaDecoderLayer as EagleDecoderLayer
+from vllm.model_executor.models.llama_eagle import LlamaModel as EagleLlamaModel
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    get_draft_quant_config,
+    maybe_prefix,
+)
+
+ARCHITECTURE = "EagleTreespecLlamaForCausalLM"
+
+
+def register_eagle_model() -> None:
+    """Add ``EagleTreespecLlamaForCausalLM`` to vLLM's ``ModelRegistry`` (idempotent)."""
+    from vllm import ModelRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, EagleTreespecLlamaForCausalLM)
+
+
+@support_torch_compile
+class TreespecEagleModel(nn.Module):
+    """fc (with bias) -> Llama layer(s) with input norm -> final RMSNorm."""
+
+    hf_to_vllm_mapper = EagleLlamaModel.hf_to_vllm_mapper
+
+    def __init__(self, *, vllm_config, prefix: str = "", start_layer_id: int = 0) -> None:
+        super().__init__()
+        self.config = config = vllm_config.speculative_config.draft_model_config.hf_config
+        quant_config = get_draft_quant_config(vllm_config)
+        d = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, d, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.fc = ReplicatedLinear(
+            input_size=2 * d,
+            output_size=d,
+            bias=True,
+            params_dtype=vllm_config.model_config.dtype,
+            quant_config=quant_config,
+            prefix=maybe_prefix(prefix, "fc"),
+            return_bias=False,
+        )
+        self.layers = nn.ModuleList(
+            [
+                EagleDecoderLayer(
+                    vllm_config,
+                    disable_input_layernorm=False,
+                    prefix=maybe_prefix(prefix, f"layers.{i + start_layer_id}"),
+                    config=config,
+                )
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids int64[T]``, ``positions int64[T]``, ``hidden_states float[T, d]``."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        x = self.fc(torch.cat((inputs_embeds, hidden_states), dim=-1))
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        g, _ = self.norm(x, residual)
+        return g, g
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
+
+class EagleTreespecLlamaForCausalLM(EagleLlamaForCausalLM):
+    """vLLM's EAGLE-1 Llama wrapper around :class:`TreespecEagleModel`."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        self.config = vllm_config.speculative_config.draft_model_config.hf_config
+        if getattr(self.config, "draft_vocab_size", None) is None:
+            self.config.draft_vocab_size = self.config.vocab_size
+        target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        self.model = TreespecEagleModel(
+            vllm_config=vllm_config,
+            prefix=maybe_prefix(prefix, "model"),
+            start_layer_id=target_layers,
+        )
+        self.logits_processor = LogitsProcessor(
+            self.config.vocab_size, scale=getattr(self.config, "logit_scale", 1.0)
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load ``fc.*``, ``layers.*``, ``norm.*``; an embedding or lm_head is an error.
+
+        Returns the loaded names plus the embedding the proposer shares from the target,
+        so vLLM's loader rejects a checkpoint that leaves any other weight unset.
+        """
+
+        def renamed():
+            for name, w in weights:
+                if "lm_head" in name or "embed_tokens" in name:
+                    raise ValueError(
+                        f"{name}: an exported treespec EAGLE head shares the target's "
+                        "embedding and lm_head; the checkpoint must not carry them"
+                    )
+                yield "model." + name, w
+
+        loaded = AutoWeightsLoader(self).load_weights(renamed())
+        return set(loaded) | {"model.embed_tokens.weight"}
