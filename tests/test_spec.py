@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tree_dev.spec import NoDraftPolicy, StaticPolicy, TopKPolicy, parse_tree_spec
+from tree_dev.spec import NgramPolicy, NoDraftPolicy, StaticPolicy, TopKPolicy, parse_tree_spec
 from tree_dev.tree import MC_SIM_7B_63, TokenTree
 
 
@@ -20,6 +20,27 @@ def test_every_kind_parses_to_its_policy():
     assert (topk.k, topk.depth, topk.budget, topk.temp, topk.max_nodes) == (4, 5, 32, 1.0, 33)
     assert isinstance(topk, TopKPolicy)
     assert parse_tree_spec("topk:k=2,depth=8,budget=8,temp=0.3").temp == 0.3
+    ngram = parse_tree_spec("ngram:budget=8")
+    assert isinstance(ngram, NgramPolicy)
+    assert (ngram.budget, ngram.min_n, ngram.max_n, ngram.matches, ngram.depth) == (8, 1, 3, 4, 8)
+    full = parse_tree_spec("ngram:budget=6,min=2,max=5,matches=3,depth=4")
+    assert (full.budget, full.min_n, full.max_n, full.matches, full.depth) == (6, 2, 5, 3, 4)
+    assert parse_tree_spec("ngram:budget=6,min=4").max_n == 4  # max defaults to >= min
+
+
+@pytest.mark.parametrize(
+    "spec,max_nodes,draft_budget",
+    [
+        ("none", 1, 0),
+        ("chain:5", 6, 5),
+        ("paths:[(0,),(1,),(0,0)]", 4, 3),
+        ("topk:k=4,depth=5,budget=32", 33, 32),
+        ("ngram:budget=10", 11, 10),
+    ],
+)
+def test_every_policy_has_max_nodes_and_draft_budget(spec, max_nodes, draft_budget):
+    policy = parse_tree_spec(spec)
+    assert (policy.max_nodes, policy.draft_budget) == (max_nodes, draft_budget)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +60,13 @@ def test_every_kind_parses_to_its_policy():
         ("topk:k=4,width=5,budget=8", "bad field"),
         ("topk:k=4,depth=5,budget=8,temp=0", "temp must be > 0"),
         ("topk:k=4,depth=5,budget=8,temp=hot", "not a number"),
+        ("ngram:min=2", r"missing \['budget'\]"),
+        ("ngram:budget=0", "budget= must be >= 1"),
+        ("ngram:budget=4,min=3,max=2", r"min= \(3\) exceeds max= \(2\)"),
+        ("ngram:budget=4,width=2", "bad field 'width=2'"),
+        ("ngram:budget=x", "'budget=x' .* is not an integer"),
+        ("ngram:budget=4,budget=5", "'budget' given twice"),
+        ("ngram:budget=4,matches=0", "matches= must be >= 1"),
     ],
 )
 def test_bad_specs_name_the_problem(spec, message):

@@ -40,16 +40,11 @@ import kernels
 from tree_dev.attention import TreeForward, register
 from tree_dev.kv_cache import PagedKVCache
 from tree_dev.onednn_linear import use_onednn_linears
-from tree_dev.spec import NoDraftPolicy, Policy, StaticPolicy, TopKPolicy, parse_tree_spec
+from tree_dev.proposer import TreeExpansion, tree_of
+from tree_dev.spec import NoDraftPolicy, Policy, StaticPolicy, parse_tree_spec
 from tree_dev.tree import TokenTree, TreeBatch
 
 PREFILL_CHUNK = 256
-
-
-@lru_cache(maxsize=4096)
-def tree_of(parents: tuple[int, ...]) -> TokenTree:
-    """A ``TokenTree`` per distinct shape: its derived tensors are computed once."""
-    return TokenTree(parents)
 
 
 @lru_cache(maxsize=1024)
@@ -657,34 +652,33 @@ class Engine:
 
 # --------------------------------------------------------------------------- proposers
 class _TreeGrower:
-    """Grows one request's draft tree, level by level.
+    """One request's draft bookkeeping around a ``TreeExpansion``.
 
     The draft's *forwarded* tree (``fwd_parents``/``fwd_tokens``) holds the nodes
     the draft has run: first the *trunk*, the committed tokens it has not seen yet
-    (``req.pending``, a chain ending in the root), then the expanded draft nodes;
-    their K/V sits in the draft cache right after ``req.draft_len``. ``cands`` are
-    the proposed nodes: (parent candidate index or -1 for the root, token,
-    cumulative log-prob, depth).
+    (``req.pending``, a chain ending in the root), then the expansion's frontier
+    nodes; their K/V sits in the draft cache right after ``req.draft_len``. The
+    expansion (``tree_dev.proposer``) decides which candidates to grow and keep.
     """
 
     def __init__(self, req: Request, policy: Policy, can_draft: bool = True):
         self.req = req
         self.can_draft = can_draft  # False: an EAGLE head has no feature for this root yet
-        self.policy = policy
+        self.expansion = TreeExpansion(
+            policy,
+            req.root,
+            sample_temperature=req.params.temperature if req.sampled_drafts else None,
+            generator=req.generator,
+        )
         trunk = req.pending if can_draft else [req.root]
         self.root_fwd = len(trunk) - 1  # forwarded index of the root
         self.fwd_parents = list(range(-1, len(trunk) - 1))
         self.fwd_tokens = list(trunk)
-        self.fwd_cand = [-1] * len(trunk)  # candidate index of each forwarded node (-1: trunk)
-        self.fwd_hidden: list[torch.Tensor] = []
-        self.cands: list[tuple[int, int, float, int]] = []
-        self.cand_fwd: dict[int, int] = {}
+        self.fwd_hidden: list[torch.Tensor | None] = [None] * len(trunk)
+        self.cand_fwd: dict[int, int] = {-1: self.root_fwd}
         self.level = 0
-        self._to_forward = list(range(len(trunk))) if can_draft else []
-        if isinstance(policy, StaticPolicy):
-            self.tree = policy.tree
-            self.node_cand = {0: -1}  # static tree node -> candidate index
-        self.q_rows: dict[int, torch.Tensor] = {}  # candidate (-1: root) -> draft distribution
+        growing = can_draft and bool(self.expansion.frontier())
+        self._to_forward = list(range(len(trunk))) if growing else []
 
     def ready_to_forward(self) -> bool:
         return bool(self._to_forward)
@@ -701,103 +695,24 @@ class _TreeGrower:
                 out.append(self.fwd_hidden[self.fwd_parents[n]])
         return torch.stack(out)
 
-    def _add_fwd(self, cand: int) -> int:
-        parent_cand = self.cands[cand][0]
-        parent_fwd = self.root_fwd if parent_cand == -1 else self.cand_fwd[parent_cand]
-        self.fwd_parents.append(parent_fwd)
-        self.fwd_tokens.append(self.cands[cand][1])
-        self.fwd_cand.append(cand)
-        self.cand_fwd[cand] = len(self.fwd_parents) - 1
-        return len(self.fwd_parents) - 1
-
     def absorb(self, logprobs: torch.Tensor, hidden: torch.Tensor) -> None:
         """Take the draft's output for the nodes just forwarded; pick the next ones."""
-        nodes = self._to_forward
-        for n, h in zip(nodes, hidden):
-            while len(self.fwd_hidden) <= n:
-                self.fwd_hidden.append(h)
+        for n, h in zip(self._to_forward, hidden):
             self.fwd_hidden[n] = h
         if self.level == 0:  # only the root's row of the trunk proposes children
-            nodes, logprobs = [self.root_fwd], logprobs[-1:]
+            logprobs = logprobs[-1:]
         self.level += 1
-        if isinstance(self.policy, TopKPolicy):
-            self._absorb_topk(nodes, logprobs)
-        else:
-            self._absorb_static(nodes, logprobs)
-
-    def _absorb_topk(self, nodes: list[int], logprobs: torch.Tensor) -> None:
-        k, new = self.policy.k, []
-        if self.policy.temp != 1.0:  # ranking temperature: shapes the tree only
-            logprobs = torch.log_softmax(logprobs / self.policy.temp, dim=-1)
-        top_lp, top_tok = logprobs.topk(k, dim=-1)
-        for n, lps, toks in zip(nodes, top_lp.tolist(), top_tok.tolist()):
-            parent_cand = self.fwd_cand[n]
-            base = 0.0 if parent_cand == -1 else self.cands[parent_cand][2]
-            for lp, t in zip(lps, toks):
-                self.cands.append((parent_cand, t, base + lp, self.level))
-                new.append(len(self.cands) - 1)
+        ex = self.expansion
+        ex.absorb(logprobs)
         self._to_forward = []
-        if self.level < self.policy.depth:
-            best = sorted(new, key=lambda c: (-self.cands[c][2], c))[:k]
-            self._to_forward = [self._add_fwd(c) for c in sorted(best)]
-
-    def _absorb_static(self, nodes: list[int], logprobs: torch.Tensor) -> None:
-        tree = self.tree
-        fc, ns = tree.first_child.tolist(), tree.next_sibling.tolist()
-        fwd_to_node = {self.root_fwd: 0}
-        for node, cand in self.node_cand.items():
-            if cand in self.cand_fwd:
-                fwd_to_node[self.cand_fwd[cand]] = node
-        kids_per = []
-        for n in nodes:
-            kids, c = [], fc[fwd_to_node[n]]
-            while c != -1:
-                kids.append(c)
-                c = ns[c]
-            kids_per.append(kids)
-        width = max(len(k) for k in kids_per)
-        width = max(width, 1)
-        if self.req.sampled_drafts:
-            # Gumbel top-k: children are a without-replacement sample from q, in draw order
-            q_log = torch.log_softmax(logprobs / self.req.params.temperature, dim=-1)
-            u = torch.rand(q_log.shape, generator=self.req.generator).clamp_(1e-20, 1.0)
-            _, top_tok = (q_log - torch.log(-torch.log(u))).topk(width, dim=-1)
-            top_lp = torch.gather(logprobs, -1, top_tok)
-            for n, ql in zip(nodes, q_log):
-                self.q_rows[self.fwd_cand[n]] = ql.exp()
-        else:
-            top_lp, top_tok = logprobs.topk(width, dim=-1)
-        nxt = []
-        for n, kids, lps, toks in zip(nodes, kids_per, top_lp.tolist(), top_tok.tolist()):
-            parent_cand = self.fwd_cand[n]
-            base = 0.0 if parent_cand == -1 else self.cands[parent_cand][2]
-            for rank, child in enumerate(kids):
-                self.cands.append((parent_cand, toks[rank], base + lps[rank], self.level))
-                self.node_cand[child] = len(self.cands) - 1
-                if fc[child] != -1:
-                    nxt.append(len(self.cands) - 1)
-        self._to_forward = [self._add_fwd(c) for c in nxt]
+        for cand in ex.frontier():
+            self.fwd_parents.append(self.cand_fwd[ex.parent(cand)])
+            self.fwd_tokens.append(ex.token(cand))
+            self.fwd_hidden.append(None)
+            self.cand_fwd[cand] = len(self.fwd_parents) - 1
+            self._to_forward.append(self.cand_fwd[cand])
 
     def result(self) -> Proposal:
         """The proposed tree: root + kept candidates, breadth-first."""
-        if isinstance(self.policy, TopKPolicy):
-            ranked = sorted(range(len(self.cands)), key=lambda c: (-self.cands[c][2], c))
-            keep = ranked[: self.policy.budget]
-            order = sorted(keep, key=lambda c: (self.cands[c][3], -self.cands[c][2], c))
-        else:  # static: breadth-first in creation order = sibling rank / draw order
-            order = sorted(range(len(self.cands)), key=lambda c: (self.cands[c][3], c))
-        index = {-1: 0}
-        parents, tokens = [-1], [self.req.root]
-        for c in order:
-            parent_cand, tok, _, _ = self.cands[c]
-            index[c] = len(parents)
-            parents.append(index[parent_cand])
-            tokens.append(tok)
-        q = None
-        if self.req.sampled_drafts and self.q_rows:
-            some = next(iter(self.q_rows.values()))
-            q = torch.zeros(len(parents), some.shape[0], dtype=some.dtype)
-            for c, row in self.q_rows.items():
-                if c in index:
-                    q[index[c]] = row
-        return Proposal(tree_of(tuple(parents)), tokens, q)
+        tree, tokens, q = self.expansion.result()
+        return Proposal(tree, tokens, q)

@@ -8,6 +8,13 @@
   style); ``temp`` sharpens (< 1) the draft's log-probabilities used to *rank*
   nodes, for a draft that is less confident than it is right. It only shapes
   the tree, so verification stays lossless.
+- ``ngram:budget=N[,min=1,max=3,matches=4,depth=N]``: no draft model; the trie of
+  the continuations (``depth`` tokens each, default ``budget``) of the ``matches``
+  best n-gram matches (``min <= n <= max`` tokens) of the context's suffix in the
+  prompt + output, at most ``budget`` draft nodes (``tree_dev.proposer.ngram_trie``).
+
+Every policy has ``max_nodes`` (root included) and ``draft_budget`` (draft nodes,
+``max_nodes - 1``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ class StaticPolicy:
     def max_nodes(self) -> int:
         return self.tree.num_nodes
 
+    @property
+    def draft_budget(self) -> int:
+        return self.tree.num_nodes - 1
+
 
 @dataclass(frozen=True)
 class TopKPolicy:
@@ -45,6 +56,35 @@ class TopKPolicy:
     def max_nodes(self) -> int:
         return self.budget + 1
 
+    @property
+    def draft_budget(self) -> int:
+        return self.budget
+
+
+@dataclass(frozen=True)
+class NgramPolicy:
+    """Draft-free n-gram trie: continuations of the ``matches`` best matches of the
+    context's last ``min_n..max_n`` tokens, ``depth`` tokens each, ``budget`` nodes."""
+
+    budget: int
+    spec: str
+    min_n: int = 1
+    max_n: int = 3
+    matches: int = 4
+    depth: int = 0  # 0: the budget
+
+    def __post_init__(self) -> None:
+        if self.depth == 0:
+            object.__setattr__(self, "depth", self.budget)
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget + 1
+
+    @property
+    def draft_budget(self) -> int:
+        return self.budget
+
 
 @dataclass(frozen=True)
 class NoDraftPolicy:
@@ -56,8 +96,44 @@ class NoDraftPolicy:
     def max_nodes(self) -> int:
         return 1
 
+    @property
+    def draft_budget(self) -> int:
+        return 0
 
-Policy = StaticPolicy | TopKPolicy | NoDraftPolicy
+
+Policy = StaticPolicy | TopKPolicy | NgramPolicy | NoDraftPolicy
+
+
+def _int_fields(spec: str, arg: str, names: tuple[str, ...]) -> dict[str, int]:
+    """``a=1,b=2`` -> ``{"a": 1, "b": 2}``; ValueError naming an unknown, repeated or
+    non-integer field, or one < 1."""
+    fields: dict[str, int] = {}
+    for part in arg.split(","):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in names:
+            raise ValueError(
+                f"bad field {part!r} in {spec!r}; expected " + ", ".join(f"{n}=" for n in names)
+            )
+        if name in fields:
+            raise ValueError(f"field {name!r} given twice in {spec!r}")
+        try:
+            fields[name] = int(value)
+        except ValueError:
+            raise ValueError(f"field {part!r} in {spec!r} is not an integer") from None
+        if fields[name] < 1:
+            raise ValueError(f"field {name}= must be >= 1 in {spec!r}")
+    return fields
+
+
+def _parse_ngram(spec: str, arg: str) -> NgramPolicy:
+    f = _int_fields(spec, arg, ("budget", "min", "max", "matches", "depth"))
+    if "budget" not in f:
+        raise ValueError(f"{spec!r} is missing ['budget']")
+    lo, hi = f.get("min", 1), f.get("max", max(3, f.get("min", 1)))
+    if lo > hi:
+        raise ValueError(f"field min= ({lo}) exceeds max= ({hi}) in {spec!r}")
+    return NgramPolicy(f["budget"], spec, lo, hi, f.get("matches", 4), f.get("depth", f["budget"]))
 
 
 def parse_tree_spec(spec: str) -> Policy:
@@ -71,7 +147,7 @@ def parse_tree_spec(spec: str) -> Policy:
     if not sep:
         raise ValueError(
             f"unknown tree spec {spec!r}; expected none, chain:K, paths:[...], "
-            "medusa:NAME or topk:k=..,depth=..,budget=.."
+            "medusa:NAME, topk:k=..,depth=..,budget=.. or ngram:budget=.."
         )
     if kind == "chain":
         try:
@@ -116,4 +192,6 @@ def parse_tree_spec(spec: str) -> Policy:
         if min(fields.values()) < 1:
             raise ValueError(f"k, depth and budget must be >= 1 in {spec!r}")
         return TopKPolicy(int(fields["k"]), int(fields["depth"]), int(fields["budget"]), spec, temp)
+    if kind == "ngram":
+        return _parse_ngram(spec, arg)
     raise ValueError(f"unknown tree spec kind {kind!r} in {spec!r}")

@@ -1,0 +1,339 @@
+"""Engine-independent proposers: grow a ``TokenTree`` from draft scores or from the context.
+
+One implementation, used by the local engine (``tree_dev.engine``) and the vLLM plugin
+(``tree_dev.vllm_plugin``) alike; neither knows how the other runs its draft.
+
+- ``TreeExpansion``: one request's draft tree grown level by level from the draft's
+  log-probabilities. The engine asks ``frontier()`` which candidates need a draft
+  distribution, runs its draft on them, and hands the ``[len(frontier), V]`` fp32
+  log-softmax rows to ``absorb``; ``result()`` gives the tree.
+
+  * top-K (``TopKPolicy``, EAGLE-2 style): every frontier node gets its top-``k``
+    children, scored by cumulative log-probability (optionally at a ranking
+    temperature); the best ``k`` new candidates form the next frontier until
+    ``depth`` levels exist; the best ``budget`` candidates overall are kept. Ties are
+    broken by creation order, so a parent (cumulative score >= its child's, created
+    first) always ranks before its children: a kept node's ancestors are kept.
+  * static (``StaticPolicy``): the tree's shape is fixed; a node's children are the
+    draft's top-ranked tokens in sibling order, or, when ``sample_temperature`` is
+    given, a without-replacement sample (Gumbel top-k) from the draft at that
+    temperature, in draw order, with the sampling distributions returned for
+    SpecInfer-style verification.
+
+- ``ngram_trie``: no draft model. The trie of the continuations of several n-gram
+  matches of the context's suffix inside the context (prompt + output).
+
+Candidate ids are creation order: 0, 1, ... as ``absorb`` creates them; ``-1`` is the
+root (the last committed token, node 0 of the result).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from tree_dev.spec import NgramPolicy, NoDraftPolicy, StaticPolicy, TopKPolicy
+from tree_dev.tree import TokenTree
+
+ROOT = -1
+
+
+class TreeExpansion:
+    """One request's draft tree grown level by level from the draft's log-probabilities.
+
+    Args:
+        policy: a ``TopKPolicy`` or ``StaticPolicy`` (a ``NoDraftPolicy`` gives the root
+            alone: ``frontier()`` is empty from the start).
+        root_token: the last committed token (node 0 of the tree).
+        sample_temperature: static trees only; draw children without replacement from
+            the draft's distribution at this temperature (> 0) instead of taking the
+            top-ranked tokens; ``result()`` then returns those distributions.
+        generator: the CPU generator of the Gumbel noise (sampled static drafts).
+    """
+
+    def __init__(
+        self,
+        policy: StaticPolicy | TopKPolicy | NoDraftPolicy,
+        root_token: int,
+        sample_temperature: float | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if not isinstance(policy, (StaticPolicy, TopKPolicy, NoDraftPolicy)):
+            raise ValueError(
+                f"policy must be a StaticPolicy or TopKPolicy, got {type(policy).__name__}"
+            )
+        if sample_temperature is not None:
+            if not isinstance(policy, StaticPolicy):
+                raise ValueError(
+                    "sample_temperature needs a static tree (chain/paths/medusa), not "
+                    f"{policy.spec!r}: pruning a sampled dynamic tree would bias the output"
+                )
+            if not (sample_temperature > 0 and np.isfinite(sample_temperature)):
+                raise ValueError(f"sample_temperature must be > 0, got {sample_temperature!r}")
+        self.policy = policy
+        self.root_token = int(root_token)
+        self.sample_temperature = sample_temperature
+        self.generator = generator
+        # candidates: parent candidate (-1 root), token, cumulative log-prob, depth
+        self._parent: list[int] = []
+        self._token: list[int] = []
+        self._score: list[float] = []
+        self._depth: list[int] = []
+        self._level = 0
+        self._q_rows: dict[int, torch.Tensor] = {}  # candidate (-1 root) -> draft probs [V]
+        self._node: dict[int, int] | None = None
+        if isinstance(policy, StaticPolicy):
+            tree = policy.tree
+            self._first_child = tree.first_child.tolist()
+            self._next_sibling = tree.next_sibling.tolist()
+            self._cand_static = {ROOT: 0}  # candidate -> node of the static tree
+            has_kids = self._first_child[0] != -1
+        else:
+            has_kids = isinstance(policy, TopKPolicy)
+        self._frontier: list[int] = [ROOT] if has_kids else []
+
+    # ------------------------------------------------------------------ queries
+    def frontier(self) -> list[int]:
+        """Candidates whose draft distribution is needed next, ``[-1]`` (the root)
+        first; ``[]`` once the tree is complete."""
+        return list(self._frontier)
+
+    def parent(self, cand: int) -> int:
+        """Candidate id of ``cand``'s parent; -1 for children of the root."""
+        return self._parent[self._check(cand)]
+
+    def token(self, cand: int) -> int:
+        """Token id of ``cand`` (the root token for -1)."""
+        return self.root_token if cand == ROOT else self._token[self._check(cand)]
+
+    def depth(self, cand: int) -> int:
+        """Depth of ``cand``: 1 for children of the root, 0 for the root."""
+        return 0 if cand == ROOT else self._depth[self._check(cand)]
+
+    def score(self, cand: int) -> float:
+        """Cumulative (ranking) log-probability of ``cand``; 0 for the root."""
+        return 0.0 if cand == ROOT else self._score[self._check(cand)]
+
+    @property
+    def num_candidates(self) -> int:
+        return len(self._token)
+
+    def _check(self, cand: int) -> int:
+        if not (isinstance(cand, int) and 0 <= cand < len(self._token)):
+            raise ValueError(f"candidate {cand!r} does not exist (have {len(self._token)})")
+        return cand
+
+    # ------------------------------------------------------------------ growth
+    def absorb(self, logprobs: torch.Tensor) -> None:
+        """Take the draft's fp32 log-softmax ``[len(frontier()), V]`` at the frontier
+        nodes (frontier order) and grow the next level."""
+        nodes = self._frontier
+        if not nodes:
+            raise ValueError("absorb: the tree is complete (frontier() is empty)")
+        if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
+            raise ValueError(
+                f"logprobs must be a [len(frontier), V] tensor, got "
+                f"{getattr(logprobs, 'shape', type(logprobs).__name__)}"
+            )
+        if logprobs.shape[0] != len(nodes):
+            raise ValueError(
+                f"logprobs has {logprobs.shape[0]} rows; the frontier has {len(nodes)} nodes"
+            )
+        logprobs = logprobs.detach().float().cpu()
+        self._level += 1
+        if isinstance(self.policy, TopKPolicy):
+            self._absorb_topk(nodes, logprobs)
+        else:
+            self._absorb_static(nodes, logprobs)
+
+    def _new(self, parent: int, token: int, score: float) -> int:
+        self._parent.append(parent)
+        self._token.append(int(token))
+        self._score.append(float(score))
+        self._depth.append(self._level)
+        return len(self._token) - 1
+
+    def _absorb_topk(self, nodes: list[int], logprobs: torch.Tensor) -> None:
+        k = self.policy.k
+        if k > logprobs.shape[1]:
+            raise ValueError(f"top-K k={k} exceeds the draft vocabulary ({logprobs.shape[1]})")
+        if self.policy.temp != 1.0:  # ranking temperature: shapes the tree only
+            logprobs = torch.log_softmax(logprobs / self.policy.temp, dim=-1)
+        top_lp, top_tok = logprobs.topk(k, dim=-1)
+        new = []
+        for n, lps, toks in zip(nodes, top_lp.tolist(), top_tok.tolist()):
+            base = self.score(n)
+            new.extend(self._new(n, t, base + lp) for lp, t in zip(lps, toks))
+        self._frontier = []
+        if self._level < self.policy.depth:
+            best = sorted(new, key=lambda c: (-self._score[c], c))[:k]
+            self._frontier = sorted(best)
+
+    def _absorb_static(self, nodes: list[int], logprobs: torch.Tensor) -> None:
+        fc, ns = self._first_child, self._next_sibling
+        kids_per = []
+        for n in nodes:
+            kids, c = [], fc[self._cand_static[n]]
+            while c != -1:
+                kids.append(c)
+                c = ns[c]
+            kids_per.append(kids)
+        width = max(1, max(len(k) for k in kids_per))
+        if width > logprobs.shape[1]:
+            raise ValueError(
+                f"static tree node has {width} children; the draft vocabulary has "
+                f"{logprobs.shape[1]} tokens"
+            )
+        if self.sample_temperature is not None:
+            # Gumbel top-k: children are a without-replacement sample from q, in draw order
+            q_log = torch.log_softmax(logprobs / self.sample_temperature, dim=-1)
+            u = torch.rand(q_log.shape, generator=self.generator).clamp_(1e-20, 1.0)
+            _, top_tok = (q_log - torch.log(-torch.log(u))).topk(width, dim=-1)
+            top_lp = torch.gather(logprobs, -1, top_tok)
+            for n, ql in zip(nodes, q_log):
+                self._q_rows[n] = ql.exp()
+        else:
+            top_lp, top_tok = logprobs.topk(width, dim=-1)
+        nxt = []
+        for n, kids, lps, toks in zip(nodes, kids_per, top_lp.tolist(), top_tok.tolist()):
+            base = self.score(n)
+            for rank, child in enumerate(kids):
+                c = self._new(n, toks[rank], base + lps[rank])
+                self._cand_static[c] = child
+                if fc[child] != -1:
+                    nxt.append(c)
+        self._frontier = nxt
+
+    # ------------------------------------------------------------------ result
+    def kept(self) -> list[int]:
+        """The kept candidates in breadth-first tree order (node 1, 2, ...)."""
+        cands = range(len(self._token))
+        if isinstance(self.policy, TopKPolicy):
+            ranked = sorted(cands, key=lambda c: (-self._score[c], c))
+            keep = ranked[: self.policy.budget]
+            return sorted(keep, key=lambda c: (self._depth[c], -self._score[c], c))
+        # static: breadth-first in creation order = sibling rank / draw order
+        return sorted(cands, key=lambda c: (self._depth[c], c))
+
+    def result(self) -> tuple[TokenTree, list[int], torch.Tensor | None]:
+        """The proposed tree so far (complete once ``frontier()`` is empty).
+
+        Returns:
+            ``tree`` (breadth-first, node 0 = root), ``tokens`` per node
+            (``tokens[0] = root_token``), and for sampled static drafts the draft
+            probabilities ``[N, V]`` fp32 at every node that has children (zeros
+            elsewhere), else None.
+        """
+        index = {ROOT: 0}
+        parents, tokens = [-1], [self.root_token]
+        for c in self.kept():
+            index[c] = len(parents)
+            parents.append(index[self._parent[c]])
+            tokens.append(self._token[c])
+        self._node = index
+        q = None
+        if self.sample_temperature is not None and self._q_rows:
+            some = next(iter(self._q_rows.values()))
+            q = torch.zeros(len(parents), some.shape[0], dtype=some.dtype)
+            for c, row in self._q_rows.items():
+                if c in index:
+                    q[index[c]] = row
+        return tree_of(tuple(parents)), tokens, q
+
+    def node_of(self, cand: int) -> int:
+        """After ``result()``: the tree node index of a kept candidate (0 for the root)."""
+        if self._node is None:
+            raise ValueError("node_of: call result() first")
+        if cand not in self._node:
+            raise ValueError(f"candidate {cand!r} is not in the proposed tree")
+        return self._node[cand]
+
+
+@lru_cache(maxsize=4096)
+def tree_of(parents: tuple[int, ...]) -> TokenTree:
+    """One ``TokenTree`` per distinct shape, so its derived tensors are computed once."""
+    return TokenTree(parents)
+
+
+# --------------------------------------------------------------------------- n-gram trie
+def ngram_matches(context: Sequence[int], policy: NgramPolicy) -> list[tuple[int, int]]:
+    """The n-gram matches of the context's suffix, best first.
+
+    A match is a position ``j < len(context)`` where the ``n`` tokens before ``j``
+    equal the context's last ``n`` tokens, for some ``policy.min_n <= n <=
+    policy.max_n``; its length is the largest such ``n``. Ranked by match length
+    (longest first), then recency (latest ``j`` first); at most ``policy.matches``.
+
+    Returns:
+        ``[(j, n), ...]``: continuation start and match length.
+    """
+    arr = np.asarray(context, dtype=np.int64)
+    L = arr.shape[0]
+    best: dict[int, int] = {}
+    for n in range(min(policy.max_n, L - 1), policy.min_n - 1, -1):
+        # windows arr[s : s + n] for s in [0, L - n - 1]: each ends before the suffix starts
+        win = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+        hits = np.nonzero((win == arr[L - n :]).all(axis=1))[0]
+        for s in hits.tolist():
+            best.setdefault(s + n, n)  # longer n seen first: keeps the match length
+    ranked = sorted(best.items(), key=lambda jn: (-jn[1], -jn[0]))
+    return ranked[: policy.matches]
+
+
+def ngram_trie(context: Sequence[int], policy: NgramPolicy) -> tuple[TokenTree, list[int]]:
+    """The trie of the continuations of the context suffix's best n-gram matches.
+
+    Args:
+        context: the committed tokens (prompt + output); ``context[-1]`` is the root.
+        policy: ``NgramPolicy`` (``ngram:budget=N[,min=,max=,matches=,depth=]``).
+
+    Each of the ``ngram_matches`` contributes its continuation
+    ``context[j : j + depth]`` (cut at the end of the context) as a root-to-leaf
+    path; equal prefixes merge. Trie nodes are ranked by the number of chosen
+    continuations through them (more first), then the longest match among those,
+    then the best-ranked (most recent) one, then depth, then insertion order; the
+    best ``budget`` are kept. A child never outranks its parent (its continuations
+    are a subset of the parent's, its depth larger), so the kept nodes form a tree.
+    Deterministic: the same context gives the same trie.
+
+    Returns:
+        ``tree`` (breadth-first, node 0 = root, at most ``budget`` draft nodes) and
+        ``tokens`` per node (``tokens[0] = context[-1]``).
+    """
+    if not isinstance(policy, NgramPolicy):
+        raise ValueError(f"policy must be an NgramPolicy, got {type(policy).__name__}")
+    if len(context) == 0:
+        raise ValueError("ngram_trie: empty context (the root token is its last element)")
+    ctx = [int(t) for t in context]
+    nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node (trie ids, 1-based)
+    parent, token, depth = [-1], [ctx[-1]], [0]
+    count, longest, rank = [0], [0], [0]
+    for r, (j, n) in enumerate(ngram_matches(ctx, policy)):
+        cur = 0
+        for t in ctx[j : j + policy.depth]:
+            nxt = nodes.get((cur, t))
+            if nxt is None:
+                nxt = nodes[(cur, t)] = len(token)
+                parent.append(cur)
+                token.append(t)
+                depth.append(depth[cur] + 1)
+                count.append(0)
+                longest.append(n)
+                rank.append(r)
+            count[nxt] += 1
+            cur = nxt
+    ranked = sorted(
+        range(1, len(token)), key=lambda i: (-count[i], -longest[i], rank[i], depth[i], i)
+    )
+    pos = {i: p for p, i in enumerate(ranked)}
+    keep = sorted(ranked[: policy.budget], key=lambda i: (depth[i], pos[i]))
+    index = {0: 0}
+    parents, tokens = [-1], [ctx[-1]]
+    for i in keep:
+        index[i] = len(parents)
+        parents.append(index[parent[i]])
+        tokens.append(token[i])
+    return tree_of(tuple(parents)), tokens
