@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import math
 import operator
 import os
@@ -60,6 +59,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from bench.io import atomic_write_json
+from tree_dev.server import config as serve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = Path(__file__).with_name("gates.toml")
@@ -295,17 +295,6 @@ def stage_result(
 
 
 # --------------------------------------------------------------------------- context
-def _load_serve():
-    """``serve.py`` (a top-level script) as a module, to choose models exactly as it does."""
-    if "serve" in sys.modules:
-        return sys.modules["serve"]
-    spec = importlib.util.spec_from_file_location("serve", ROOT / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @dataclass
 class Context:
     """What the stages share: the resolved configuration and the models, loaded once.
@@ -321,7 +310,7 @@ class Context:
     _models: Any = None
 
     def serve_argv(self, tree: str | None = None) -> list[str]:
-        argv = ["--kernel-backend", self.run["kernel_backend"]]
+        argv = ["--engine", "local", "--kernel-backend", self.run["kernel_backend"]]
         if self.run["models"]:
             argv += ["--model", self.run["models"]]
         spec = self.run["tree"] if tree is None else tree
@@ -338,7 +327,7 @@ class Context:
                 from tree_dev.spec import parse_tree_spec
 
                 parse_tree_spec(self.run["tree"])  # a clear ValueError before serve's parser
-            self._serve_cfg = _load_serve().resolve_config(self.serve_argv())
+            self._serve_cfg = serve_config.resolve_config(self.serve_argv())
         return self._serve_cfg
 
     @property
@@ -349,7 +338,7 @@ class Context:
         """``(kind, path)`` of the drafter: serve.py's, or its default when the tree is none."""
         cfg = self.serve_cfg
         if cfg.drafter is None:  # --tree none: the drafter serve.py would pick for a tree
-            cfg = _load_serve().resolve_config(self.serve_argv(tree=""))
+            cfg = serve_config.resolve_config(self.serve_argv(tree=""))
         return cfg.drafter, cfg.drafter_path
 
     def models(self) -> SimpleNamespace:
@@ -621,13 +610,13 @@ async def _http_greedy(base: str, model: str, prompts: list[str], max_tokens: in
 def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
     """serve.py over HTTP: greedy outputs vs the offline engine, throughput tree vs none."""
     from bench.serve_load import ServerProcess, make_prompts, run_level
+    from tree_dev.server.app import load_engine
 
     scfg = ctx.serve_cfg
-    serve = _load_serve()
     per_round = cfg["requests_per_round"]
     texts = make_prompts(max(cfg["prompts"], per_round * cfg["rounds"]))
     # The offline engine built by serve.py's own loader from the same configuration.
-    engine, tokenizer = serve.load_engine(scfg)
+    engine, tokenizer = load_engine(scfg)
     from tree_dev.engine import SamplingParams
 
     offline_prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
@@ -637,7 +626,8 @@ def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[st
     )
     del engine
     # Every choice of serve.py pinned explicitly: both servers run what the report names.
-    common = ["--model", str(scfg.model), "--kernel-backend", scfg.kernel_backend]
+    common = ["--engine", "local", "--model", str(scfg.model)]
+    common += ["--kernel-backend", scfg.kernel_backend]
     common += ["--max-batch", str(max(4, cfg["prompts"]))]
     if scfg.tokenizer is not None:
         common += ["--tokenizer", str(scfg.tokenizer)]

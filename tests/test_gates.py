@@ -278,7 +278,7 @@ def test_main_exit_status_and_report(ctx, tmp_path, monkeypatch, capsys):
 def test_serve_py_reads_the_report(ctx, tmp_path):
     """serve.py's start-up check agrees with the report: silent when every gate passed,
     naming the failed and never-run stages otherwise."""
-    serve = gates._load_serve()
+    from tree_dev.server import gates as serve
     out = tmp_path / "gates.json"
     fakes = _fake_stages(dict.fromkeys(gates.STAGES, 1.0), [])
     gates.run_gates(ctx, _cfg(), out, stage_fns=fakes, log=lambda s: None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib.util
 import json
 import socket
 import sys
@@ -22,6 +21,10 @@ import httpx
 import pytest
 import torch
 
+import tree_dev.server as server
+from tree_dev.server import app as server_app
+from tree_dev.server import config, gates, protocol, worker
+
 ROOT = Path(__file__).resolve().parents[1]
 TREE = "topk:k=2,depth=3,budget=6"
 MAX_LEN = 192
@@ -31,19 +34,6 @@ TEXTS = [
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
     "for i in range(10):\n    if i % 2 == 0:\n        print(i)\n",
 ]
-
-
-def _load_serve():
-    if "serve" in sys.modules:
-        return sys.modules["serve"]
-    spec = importlib.util.spec_from_file_location("serve", ROOT / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-serve = _load_serve()
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -119,7 +109,7 @@ def srv(models, tokenizer):
 
     target, draft = models
     engine = Engine(target, draft=draft, tree=TREE, max_batch=8, max_model_len=MAX_LEN)
-    app = serve.create_app(engine, tokenizer, "tiny")
+    app = server_app.create_app(engine, tokenizer, "tiny")
     running = _start(app)
     yield running
     running.server.should_exit = True
@@ -244,8 +234,8 @@ def test_chat_uses_tokenizer_template(models, tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[bot]"
     eng = Engine(models[0], tree="none", max_model_len=MAX_LEN)
-    server = serve.Server(serve.EngineWorker(eng, serve.Metrics(1)), tok, "tiny", {})
-    ids = server.chat_prompt([serve.ChatMessage(role="user", content="hey")])
+    server = server_app.Server(worker.EngineWorker(eng, worker.Metrics(1)), tok, "tiny", {})
+    ids = server.chat_prompt([protocol.ChatMessage(role="user", content="hey")])
     assert ids == tok.encode("[user]hey[bot]")
 
 
@@ -270,13 +260,13 @@ def test_text_assembler_holds_back_stop_prefixes():
         def decode(self, ids, skip_special_tokens=True):
             return "".join(chr(i) for i in ids)
 
-    asm = serve.TextAssembler(CharTok(), ["END"])
+    asm = server_app.TextAssembler(CharTok(), ["END"])
     assert asm.feed([ord("a"), ord("E")]) == "a"  # "E" may start "END": held back
     assert asm.feed([ord("N")]) == ""
     assert asm.feed([ord("x")]) == "ENx"  # not a stop after all
     assert asm.feed([ord(c) for c in "yEND tail"]) == "y" and asm.stopped
     assert asm.flush() == ""
-    asm = serve.TextAssembler(CharTok(), [])
+    asm = server_app.TextAssembler(CharTok(), [])
     assert asm.feed([ord("a"), 0xFFFD]) == "a"  # incomplete UTF-8 held back
     assert asm.flush() == "\ufffd"
 
@@ -525,13 +515,18 @@ def test_disconnecting_stream_frees_its_request(srv, monkeypatch):
 
 
 # --------------------------------------------------------------------------- flags
+def _local(argv) -> list[str]:
+    """The local engine's flags (the default engine is vllm where vLLM is installed)."""
+    return list(argv) if "--engine" in argv else ["--engine", "local", *argv]
+
+
 def _cfg(*argv: str):
-    return serve.resolve_config(list(argv))
+    return config.resolve_config(_local(argv))
 
 
 def _fails(capsys, *argv: str) -> str:
     with pytest.raises(SystemExit) as e:
-        serve.resolve_config(list(argv))
+        config.resolve_config(_local(argv))
     assert e.value.code == 2
     return capsys.readouterr().err
 
@@ -548,7 +543,7 @@ def test_flags_tree_and_drafts(tmp_path):
     assert (c.tree, c.drafter) == ("none", None)
     c = _cfg("--model", str(tmp_path), "--eagle-head", "e", "--port", "9", "--max-batch", "3")
     assert c.drafter == "eagle" and c.port == 9 and c.max_batch == 3 and c.host == "127.0.0.1"
-    assert c.tree == serve.read_best_policy()[0]
+    assert c.tree == config.read_best_policy()[0]
 
 
 def test_flags_model_set_default(tmp_path):
@@ -561,16 +556,16 @@ def test_flags_model_set_default(tmp_path):
     c = _cfg("--model", str(tmp_path), "--tree", "none")
     assert (c.tree, c.drafter) == ("none", None)
     c = _cfg()  # no arguments: the project's trained set, target + EAGLE head, best tree
-    assert c.model == serve.DEFAULT_MODEL_SET / "target"
-    assert (c.drafter, c.drafter_path) == ("eagle", serve.DEFAULT_MODEL_SET / "eagle")
-    assert c.tree == serve.read_best_policy()[0] and c.tokenizer.name == "tokenizer"
+    assert c.model == config.DEFAULT_MODEL_SET / "target"
+    assert (c.drafter, c.drafter_path) == ("eagle", config.DEFAULT_MODEL_SET / "eagle")
+    assert c.tree == config.read_best_policy()[0] and c.tokenizer.name == "tokenizer"
 
 
 def test_model_set_follows_best_policy(tmp_path, monkeypatch):
     for sub in ("target", "eagle", "draft", "tokenizer"):
         (tmp_path / sub).mkdir()
     report = tmp_path / "e2e.json"
-    monkeypatch.setattr(serve, "E2E_REPORT", report)
+    monkeypatch.setattr(config, "E2E_REPORT", report)
     report.write_text(json.dumps({"best_policy": {"tree": "chain:3", "drafter": "draft"}}))
     c = _cfg("--model", str(tmp_path))
     assert (c.tree, c.drafter, c.drafter_path) == ("chain:3", "draft", tmp_path / "draft")
@@ -582,16 +577,16 @@ def test_model_set_follows_best_policy(tmp_path, monkeypatch):
 
 def test_best_policy_file(tmp_path):
     p = tmp_path / "e2e.json"
-    assert serve.read_best_policy(p)[0] == serve.DEFAULT_TREE
+    assert config.read_best_policy(p)[0] == config.DEFAULT_TREE
     p.write_text(json.dumps({"best_policy": "chain:2"}))
-    assert serve.read_best_policy(p)[0] == "chain:2"
+    assert config.read_best_policy(p)[0] == "chain:2"
     p.write_text(json.dumps({"best_policy": {"tree": "topk:k=2,depth=2,budget=4", "tau": 2.0}}))
-    assert serve.read_best_policy(p)[0] == "topk:k=2,depth=2,budget=4"
-    assert serve.read_best_drafter(p) is None
+    assert config.read_best_policy(p)[0] == "topk:k=2,depth=2,budget=4"
+    assert config.read_best_drafter(p) is None
     p.write_text(json.dumps({"best_policy": {"tree": "chain:3", "drafter": "draft"}}))
-    assert serve.read_best_policy(p)[0] == "chain:3" and serve.read_best_drafter(p) == "draft"
+    assert config.read_best_policy(p)[0] == "chain:3" and config.read_best_drafter(p) == "draft"
     p.write_text(json.dumps({"best_policy": "bogus:1"}))
-    assert serve.read_best_policy(p)[0] == serve.DEFAULT_TREE
+    assert config.read_best_policy(p)[0] == config.DEFAULT_TREE
 
 
 @pytest.mark.parametrize(
@@ -685,8 +680,8 @@ def test_contradictory_flags_exit_2_naming_both(tmp_path, capsys, argv, named):
 
 # --------------------------------------------------------------------------- gates
 def test_gate_warnings():
-    assert len(serve.gate_warnings(None, "chain:2")) == 4
-    assert {w.split("'")[1] for w in serve.gate_warnings(None, "none")} == {"kernels", "serve"}
+    assert len(gates.gate_warnings(None, "chain:2")) == 4
+    assert {w.split("'")[1] for w in gates.gate_warnings(None, "none")} == {"kernels", "serve"}
     report = {
         "stages": [
             {"name": "kernels", "passed": True, "measured": 1.0, "threshold": 1.0},
@@ -695,26 +690,35 @@ def test_gate_warnings():
         ],
         "config": {"tree": "chain:2"},
     }
-    w = serve.gate_warnings(report, "chain:2")
+    w = gates.gate_warnings(report, "chain:2")
     assert len(w) == 2
     assert "verify" in w[0] and "FAILED" in w[0] and "0.9" in w[0]
     assert "serve" in w[1] and "never ran" in w[1]
-    assert serve.gate_warnings(report, "none")[1:] == [w[1]]  # + the tree mismatch warning
-    w = serve.gate_warnings(report, "topk:k=2,depth=2,budget=4")
+    assert gates.gate_warnings(report, "none")[1:] == [w[1]]  # + the tree mismatch warning
+    w = gates.gate_warnings(report, "topk:k=2,depth=2,budget=4")
     assert any("tree='chain:2'" in x for x in w)
     report["stages"] += [{"name": "serve", "passed": True}]
     report["stages"][1]["passed"] = True
-    assert serve.gate_warnings(report, "chain:2") == []
+    assert gates.gate_warnings(report, "chain:2") == []
 
 
 def test_main_logs_gate_warning(tmp_path, caplog, monkeypatch):
     bad = {"stages": [{"name": "kernels", "passed": False, "measured": 2, "threshold": 1}]}
     (tmp_path / "gates.json").write_text(json.dumps(bad))
     monkeypatch.setattr(
-        serve, "load_engine", lambda cfg: (_ for _ in ()).throw(RuntimeError("stop"))
+        server_app, "load_engine", lambda cfg: (_ for _ in ()).throw(RuntimeError("stop"))
     )
     with caplog.at_level("WARNING", logger="treespec.serve"), pytest.raises(RuntimeError):
-        serve.main(["--model", str(tmp_path), "--gates-report", str(tmp_path / "gates.json")])
+        server.main(
+            [
+                "--engine",
+                "local",
+                "--model",
+                str(tmp_path),
+                "--gates-report",
+                str(tmp_path / "gates.json"),
+            ]
+        )
     text = caplog.text
     assert "gate 'kernels' FAILED" in text and "gate 'serve' never ran" in text
 
@@ -743,7 +747,8 @@ def test_serve_py_command_line_with_eagle_model_set(tmp_path, models, tokenizer)
     argv = ["--model", str(tmp_path), "--tree", "chain:2", "--max-model-len", "64"]
     argv += ["--gates-report", str(tmp_path / "gates.json")]
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "serve.py"), "--port", str(port), "--torch-threads", "1"]
+        [sys.executable, str(ROOT / "serve.py"), "--engine", "local", "--port", str(port)]
+        + ["--torch-threads", "1"]
         + argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -1,0 +1,676 @@
+"""serve.py's flags: one tree policy from vLLM's, SGLang's or the project's own words.
+
+``resolve_config(argv)`` parses the command line, maps ``--speculative-config`` /
+``--additional-config`` (vLLM) and ``--speculative-eagle-topk`` & co. (SGLang) onto a
+tree spec string (``tree_dev.spec``) and a drafter, applies the defaults of the chosen
+engine (``--engine local|vllm``) and checks everything before any model is loaded:
+contradictory flags, a bad tree, or ``--max-model-len`` above the model's
+``max_position_embeddings`` exit with status 2 (argparse) naming the flags / numbers.
+``vllm_argv(cfg)`` is the command line of vLLM's own OpenAI server for a config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_SET = REPO / "checkpoints" / "stdlib-v1"
+E2E_REPORT = REPO / "results" / "e2e.json"
+VLLM_E2E_REPORT = REPO / "results" / "vllm_e2e.json"
+#: The gates report each engine's server reads at start-up (``python -m bench.gates``).
+GATES_REPORTS = {
+    "local": REPO / "results" / "gates.json",
+    "vllm": REPO / "results" / "gates_vllm.json",
+}
+ENGINES = ("local", "vllm")
+#: Local engine's tree when ``results/e2e.json`` has no ``best_policy``: measured by
+#: ``python -m bench.e2e`` on the committed tiny set (EAGLE head, batch 1, CPU) at
+#: 1.48x autoregressive tokens/s, tau 6.17 (chain:8 1.51x, tau 5.82; the best in that
+#: run, topk:k=2,depth=4,budget=4, 1.57x; medians of 3 rounds, per-round spread
+#: 0.1-0.2), and with top-K tau >= the chain's at the same node budget (the propose
+#: gate).
+DEFAULT_TREE = "topk:k=2,depth=8,budget=8,temp=0.3"
+#: vLLM's policy when ``results/vllm_e2e.json`` has no ``best_policy``: vLLM's own
+#: n-gram chain of 4 (issue 14, committed tiny target, batch 1: ~1070 tok/s against
+#: ~640 for plain vLLM and ~500 for its draft_model chain).
+VLLM_DEFAULT_POLICY = ("ngram", "chain:4")
+#: vLLM speculative methods -> the drafter kind they use.
+VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle", "draft_model": "draft", "ngram": "ngram"}
+#: drafter kind -> the vLLM method that runs it.
+VLLM_METHOD_OF = {"eagle": "eagle", "draft": "draft_model", "ngram": "ngram"}
+SGLANG_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle", "STANDALONE": "draft", "NGRAM": "ngram"}
+#: ASGI middleware (an import path) that vLLM's server loads to describe the policy.
+VLLM_MODELS_MIDDLEWARE = "tree_dev.server.vllm_front.treespec_models"
+
+log = logging.getLogger("treespec.serve")
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``main`` needs, after flag mapping and defaults.
+
+    ``drafter`` is ``"eagle"``, ``"draft"`` (a small LM), ``"ngram"`` (no model) or
+    ``None`` (``tree == "none"``). ``speculative_extra`` / ``additional_extra`` are the
+    keys of vLLM's ``--speculative-config`` / ``--additional-config`` that are passed
+    to vLLM as they are (the local engine ignores them); ``vllm_args`` are the words
+    after ``--`` on the command line, appended to vLLM's.
+    """
+
+    model: Path
+    tokenizer: Path | None
+    drafter: str | None
+    drafter_path: Path | None
+    tree: str
+    tree_source: str  # which flag (or default) chose the tree
+    max_model_len: int
+    engine: str = "local"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 16
+    kernel_backend: str = "auto"
+    served_model_name: str = "treespec"
+    dtype: str = "float32"
+    device: str = "auto"
+    torch_threads: int | None = None
+    gates_report: Path = GATES_REPORTS["local"]
+    log_level: str = "info"
+    enforce_eager: bool = False
+    speculative_extra: dict[str, Any] = field(default_factory=dict)
+    additional_extra: dict[str, Any] = field(default_factory=dict)
+    vllm_args: list[str] = field(default_factory=list)
+
+    def info(self) -> dict[str, Any]:
+        """What ``/v1/models`` says about the policy (``treespec`` field of the card)."""
+        return {
+            "engine": self.engine,
+            "tree": self.tree,
+            "tree_source": self.tree_source,
+            "drafter": self.drafter,
+            "drafter_path": str(self.drafter_path) if self.drafter_path else None,
+            "model": str(self.model),
+            "max_model_len": self.max_model_len,
+            "kernel_backend": self.kernel_backend,
+        }
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_plugin_available() -> bool:
+    """Whether the project's vLLM tree plugin (``tree_dev.vllm_plugin.hooks``) exists."""
+    try:
+        return importlib.util.find_spec("tree_dev.vllm_plugin.hooks") is not None
+    except ImportError:
+        return False
+
+
+def default_engine() -> str:
+    """``"vllm"`` where vLLM is installed, else ``"local"``."""
+    return "vllm" if vllm_installed() else "local"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="serve.py",
+        description="OpenAI-compatible server with tree speculative decoding over the "
+        "local engine or vLLM. Words after -- are passed to vLLM's server (--engine vllm).",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="local: the project's engine; vllm: vLLM's own OpenAI server with the tree "
+        f"plugin (default: {default_engine()}, i.e. vllm where it is installed)",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--model",
+        type=Path,
+        help="target checkpoint directory, or a model set directory with target/, eagle/, "
+        f"draft/, tokenizer/ (default: {DEFAULT_MODEL_SET.relative_to(REPO)})",
+    )
+    g.add_argument("--draft-model", type=Path, help="a small causal LM as the draft")
+    g.add_argument("--eagle-head", type=Path, help="an EAGLE head as the draft")
+    g.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: found)")
+    g.add_argument("--served-model-name", help="model id in the API (default: the model dir)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="local: cpu, cuda, cuda:1 ... (auto: cuda)")
+    t = p.add_argument_group("tree policy")
+    t.add_argument(
+        "--tree", help="tree spec: none, chain:K, paths:[...], medusa:NAME, topk:..., ngram:..."
+    )
+    t.add_argument(
+        "--speculative-config",
+        help="vLLM's JSON: method (draft_model, eagle, eagle3, ngram), model, "
+        "num_speculative_tokens, speculative_token_tree, other vLLM keys",
+    )
+    t.add_argument(
+        "--additional-config",
+        help='vLLM\'s JSON; {"treespec": {"tree": SPEC}} sets the tree (the plugin\'s key)',
+    )
+    t.add_argument("--speculative-algorithm", help="SGLang: EAGLE, EAGLE3, STANDALONE or NGRAM")
+    t.add_argument("--speculative-draft-model-path", type=Path, help="SGLang: the draft")
+    t.add_argument("--speculative-eagle-topk", type=int, help="SGLang: k of the top-K tree")
+    t.add_argument("--speculative-num-steps", type=int, help="SGLang: depth of the tree")
+    t.add_argument(
+        "--speculative-num-draft-tokens", type=int, help="SGLang: tree nodes incl. the root"
+    )
+    s = p.add_argument_group("server")
+    s.add_argument("--kernel-backend", default="auto", help="auto, torch, triton, nki, reference")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=16, help="most requests decoded together")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest prompt + output (default: the target's max_position_embeddings)",
+    )
+    s.add_argument("--torch-threads", type=int, help="local: torch.set_num_threads")
+    s.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile")
+    s.add_argument(
+        "--gates-report",
+        type=Path,
+        help="stage gates report (default: results/gates.json for local, "
+        "results/gates_vllm.json for vllm)",
+    )
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+# --------------------------------------------------------------------------- best policies
+def read_best_policy(path: Path | None = None) -> tuple[str, str]:
+    """``(tree spec, where it came from)``: ``best_policy`` of the e2e report, else the default.
+
+    ``best_policy`` may be a spec string or an object with a ``tree`` (or ``spec``) key
+    and optionally ``drafter`` (``"eagle"`` or ``"draft"``, see ``read_best_drafter``).
+    """
+    from tree_dev.spec import parse_tree_spec
+
+    path = E2E_REPORT if path is None else path
+    try:
+        best = json.loads(Path(path).read_text())["best_policy"]
+        spec = best if isinstance(best, str) else best.get("tree") or best.get("spec")
+        parse_tree_spec(spec)
+        return spec, f"best_policy of {path}"
+    except FileNotFoundError:
+        return DEFAULT_TREE, f"default (no {path})"
+    except (KeyError, TypeError, AttributeError, ValueError, json.JSONDecodeError) as e:
+        log.warning("ignoring best_policy of %s (%s); using %s", path, e, DEFAULT_TREE)
+        return DEFAULT_TREE, f"default ({path} has no valid best_policy)"
+
+
+def read_best_drafter(path: Path | None = None) -> str | None:
+    """``"eagle"`` or ``"draft"`` when ``best_policy`` is an object naming its ``drafter``."""
+    try:
+        best = json.loads(Path(E2E_REPORT if path is None else path).read_text())["best_policy"]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+        return None
+    kind = best.get("drafter") if isinstance(best, dict) else None
+    return kind if kind in ("eagle", "draft") else None
+
+
+def read_best_vllm_policy(path: Path | None = None) -> tuple[str, str, str]:
+    """``(drafter kind, tree spec, source)`` of vLLM's best measured policy.
+
+    ``best_policy`` of ``results/vllm_e2e.json`` is an object with ``method`` (a vLLM
+    method: ``draft_model``, ``eagle``, ``ngram``) and ``tree`` (a spec; a tree other
+    than a chain needs the plugin). Without a valid one: ``VLLM_DEFAULT_POLICY``.
+    """
+    from tree_dev.spec import parse_tree_spec
+
+    path = VLLM_E2E_REPORT if path is None else path
+    kind, tree = VLLM_DEFAULT_POLICY
+    try:
+        best = json.loads(Path(path).read_text())["best_policy"]
+        method, spec = best["method"], best["tree"]
+        parse_tree_spec(spec)
+        if method not in VLLM_METHODS:
+            raise ValueError(f"unknown method {method!r}")
+        if not _is_chain(spec) and not vllm_plugin_available():
+            raise ValueError(f"tree {spec!r} needs the tree plugin, which is not installed")
+        return VLLM_METHODS[method], spec, f"best_policy of {path}"
+    except FileNotFoundError:
+        return kind, tree, f"default (no {path})"
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+        log.warning("ignoring best_policy of %s (%s); using %s %s", path, e, kind, tree)
+        return kind, tree, f"default ({path} has no valid best_policy)"
+
+
+def _is_chain(spec: str) -> bool:
+    return spec.strip().startswith("chain:")
+
+
+def _is_ngram(spec: str | None) -> bool:
+    return spec is not None and spec.strip().startswith("ngram:")
+
+
+def draft_budget(spec: str) -> int:
+    """Draft nodes of a tree spec (its root excluded): vLLM's ``num_speculative_tokens``."""
+    from tree_dev.spec import parse_tree_spec
+
+    return parse_tree_spec(spec).max_nodes - 1
+
+
+def max_position_embeddings(model_dir: Path) -> int | None:
+    """``max_position_embeddings`` of a checkpoint's ``config.json`` (None if absent)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    return None
+
+
+# --------------------------------------------------------------------------- flag mapping
+class _FlagError(Exception):
+    pass
+
+
+def _json_flag(flag: str, raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise _FlagError(f"argument {flag}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise _FlagError(f"argument {flag}: expected a JSON object")
+    return value
+
+
+def _additional_config(raw: str) -> tuple[str | None, dict[str, Any]]:
+    """vLLM ``--additional-config`` -> (tree spec of its ``treespec`` key or None, the rest)."""
+    flag = "--additional-config"
+    ac = _json_flag(flag, raw)
+    ts = ac.pop("treespec", None)
+    if ts is None:
+        return None, ac
+    if not isinstance(ts, dict) or not isinstance(ts.get("tree"), str):
+        raise _FlagError(f'argument {flag}: "treespec" must be an object with a "tree" string')
+    unknown = sorted(set(ts) - {"tree"})
+    if unknown:
+        raise _FlagError(f'argument {flag}: unknown key(s) {unknown} in "treespec"')
+    return ts["tree"], ac
+
+
+def _vllm_speculative_config(
+    raw: str, plugin_tree: str | None
+) -> tuple[str | None, tuple[str, Path | None] | None, dict[str, Any]]:
+    """vLLM ``--speculative-config`` -> (tree spec or None, (drafter, path) or None, extra keys).
+
+    ``plugin_tree`` is the tree of ``--additional-config``'s ``treespec`` key: then
+    ``num_speculative_tokens`` is its draft-node budget and must equal it.
+    """
+    flag = "--speculative-config"
+    sc = _json_flag(flag, raw)
+    method, model = sc.pop("method", None), sc.pop("model", None)
+    k = sc.pop("num_speculative_tokens", None)
+    tree_raw = sc.pop("speculative_token_tree", None)
+    if method is None:
+        method = "draft_model" if model else None
+    if method is not None and method not in VLLM_METHODS:
+        raise _FlagError(
+            f"argument {flag}: method {method!r} is not supported; use one of "
+            f"{sorted(VLLM_METHODS)}"
+        )
+    drafter = None
+    if method == "ngram":
+        if model is not None:
+            raise _FlagError(f"argument {flag}: method 'ngram' takes no 'model'")
+        drafter = ("ngram", None)
+    elif model is not None:
+        if not isinstance(model, str) or not model:
+            raise _FlagError(f"argument {flag}: 'model' must be a path string")
+        drafter = (VLLM_METHODS[method], Path(model))
+    elif method is not None:
+        raise _FlagError(f"argument {flag}: method {method!r} needs a 'model'")
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise _FlagError(f"argument {flag}: num_speculative_tokens must be an integer >= 1")
+    if plugin_tree is not None:
+        if tree_raw is not None:
+            raise _FlagError(
+                f"argument {flag}: speculative_token_tree not allowed with "
+                "--additional-config's treespec tree"
+            )
+        try:
+            budget = draft_budget(plugin_tree)
+        except ValueError as e:
+            raise _FlagError(f"argument --additional-config: treespec tree: {e}") from None
+        if k is not None and k != budget:
+            raise _FlagError(
+                f"argument {flag}: num_speculative_tokens={k} must equal the draft-node "
+                f"budget {budget} of the --additional-config tree {plugin_tree!r}"
+            )
+        return None, drafter, sc
+    if tree_raw is not None:
+        try:
+            paths = ast.literal_eval(tree_raw) if isinstance(tree_raw, str) else tree_raw
+            paths = [tuple(p) for p in paths]
+        except (ValueError, SyntaxError, TypeError):
+            raise _FlagError(
+                f"argument {flag}: speculative_token_tree is not a list of tuples"
+            ) from None
+        depth = max((len(p) for p in paths), default=0)
+        if k is not None and k != depth:
+            raise _FlagError(
+                f"argument {flag}: num_speculative_tokens={k} contradicts "
+                f"speculative_token_tree of depth {depth}"
+            )
+        return f"paths:{paths!r}", drafter, sc
+    if k is not None:
+        return f"chain:{k}", drafter, sc
+    return None, drafter, sc
+
+
+def _sglang_flags(a: argparse.Namespace) -> tuple[str | None, tuple[str, Path | None] | None, str]:
+    """SGLang's flags -> (tree spec or None, (drafter kind, path) or None, flag named)."""
+    algo = a.speculative_algorithm
+    if algo is not None and algo.upper() not in SGLANG_ALGORITHMS:
+        raise _FlagError(
+            f"argument --speculative-algorithm: {algo!r} is not supported; use one of "
+            f"{sorted(SGLANG_ALGORITHMS)}"
+        )
+    kind = SGLANG_ALGORITHMS[algo.upper()] if algo else "eagle"
+    drafter = ("ngram", None) if kind == "ngram" else None
+    if a.speculative_draft_model_path is not None:
+        if kind == "ngram":
+            raise _FlagError(
+                "argument --speculative-draft-model-path: not allowed with "
+                "--speculative-algorithm NGRAM (it has no draft model)"
+            )
+        drafter = (kind, a.speculative_draft_model_path)
+    named = (
+        ("--speculative-eagle-topk", a.speculative_eagle_topk),
+        ("--speculative-num-steps", a.speculative_num_steps),
+        ("--speculative-num-draft-tokens", a.speculative_num_draft_tokens),
+    )
+    for name, v in named:
+        if v is not None and v < 1:
+            raise _FlagError(f"argument {name}: must be >= 1, got {v}")
+    flags = [n for n, v in named if v is not None]
+    if not flags:
+        return None, drafter, "--speculative-algorithm"
+    topk, steps, ntok = (v for _, v in named)
+    topk = 1 if topk is None else topk
+    if steps is None:
+        if topk == 1 and ntok is not None:
+            steps = ntok - 1
+        else:
+            raise _FlagError(f"argument {flags[0]}: needs --speculative-num-steps (the tree depth)")
+    if topk == 1:
+        if ntok is not None and ntok != steps + 1:
+            raise _FlagError(
+                f"argument --speculative-num-draft-tokens: {ntok} contradicts "
+                f"--speculative-num-steps {steps} with top-k 1 (a chain needs steps + 1)"
+            )
+        if steps < 1:
+            raise _FlagError("argument --speculative-num-draft-tokens: must be >= 2")
+        return f"chain:{steps}", drafter, flags[0]
+    budget = (ntok - 1) if ntok is not None else topk * steps
+    if budget < 1:
+        raise _FlagError("argument --speculative-num-draft-tokens: must be >= 2")
+    return f"topk:k={topk},depth={steps},budget={budget}", drafter, flags[0]
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def resolve_config(argv: list[str] | None = None) -> ServeConfig:
+    """Parse flags, map vLLM/SGLang forms onto tree specs, apply the engine's defaults.
+
+    Contradictory flags, a bad tree, a tree the engine cannot run, and a
+    ``--max-model-len`` above the target's (or draft's) ``max_position_embeddings``
+    exit with status 2 (argparse error) naming the flags or both numbers.
+    """
+    import sys
+
+    from tree_dev.spec import parse_tree_spec
+
+    parser = build_parser()
+    own, passthrough = _split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    a = parser.parse_args(own)
+    engine = a.engine or default_engine()
+    if engine == "vllm" and not vllm_installed():
+        parser.error("argument --engine: vllm is not installed here (pip install vllm)")
+    if passthrough and engine != "vllm":
+        parser.error(f"arguments after --: only --engine vllm takes them, got {passthrough}")
+    trees: dict[str, str] = {}  # flag -> tree spec
+    drafters: dict[str, tuple[str, Path | None]] = {}  # flag -> (kind, path)
+    spec_extra: dict[str, Any] = {}
+    add_extra: dict[str, Any] = {}
+    try:
+        if a.tree is not None:
+            trees["--tree"] = a.tree
+        if a.draft_model is not None:
+            drafters["--draft-model"] = ("draft", a.draft_model)
+        if a.eagle_head is not None:
+            drafters["--eagle-head"] = ("eagle", a.eagle_head)
+        plugin_tree = None
+        if a.additional_config is not None:
+            plugin_tree, add_extra = _additional_config(a.additional_config)
+            if plugin_tree is not None:
+                trees["--additional-config"] = plugin_tree
+        if a.speculative_config is not None:
+            spec, drafter, spec_extra = _vllm_speculative_config(a.speculative_config, plugin_tree)
+            if spec is not None:
+                trees["--speculative-config"] = spec
+            if drafter is not None:
+                drafters["--speculative-config"] = drafter
+        sglang = (
+            a.speculative_algorithm,
+            a.speculative_draft_model_path,
+            a.speculative_eagle_topk,
+            a.speculative_num_steps,
+            a.speculative_num_draft_tokens,
+        )
+        if any(v is not None for v in sglang):
+            spec, drafter, flag = _sglang_flags(a)
+            if spec is not None:
+                trees[flag] = spec
+            if drafter is not None:
+                drafters["--speculative-draft-model-path"] = drafter
+    except _FlagError as e:
+        parser.error(str(e))
+    if engine == "local":
+        for key, extra in (
+            ("--speculative-config", spec_extra),
+            ("--additional-config", add_extra),
+        ):
+            for k in sorted(extra):
+                log.warning("%s: ignoring key %r (not used by the local engine)", key, k)
+    if len(trees) > 1:
+        (f1, t1), (f2, t2) = list(trees.items())[:2]
+        parser.error(f"argument {f2}: not allowed with {f1} (tree {t2!r} vs {t1!r})")
+    for flag, spec in trees.items():
+        try:
+            parse_tree_spec(spec)
+        except ValueError as e:
+            parser.error(f"argument {flag}: {e}")
+    tree_flag = next(iter(trees), None)
+    tree = trees.get(tree_flag) if tree_flag else None
+    if _is_ngram(tree):  # the n-gram trie drafts from the text itself: no model
+        drafters.setdefault(tree_flag, ("ngram", None))
+    if len(drafters) > 1:
+        (f1, d1), (f2, d2) = list(drafters.items())[:2]
+        if d1 != d2:
+            parser.error(
+                f"argument {f2}: not allowed with {f1} (draft {d2[0]} {d2[1]} vs {d1[0]} {d1[1]})"
+            )
+    if a.max_batch < 1 or (a.max_model_len is not None and a.max_model_len < 2):
+        parser.error("argument --max-batch/--max-model-len: must be >= 1 / >= 2")
+
+    model = a.model if a.model is not None else DEFAULT_MODEL_SET
+    tokenizer = a.tokenizer
+    drafter = next(iter(drafters.values()), None)
+    drafter_flag = next(iter(drafters), None)
+    if tree == "none" and drafter is not None:
+        parser.error(f"argument {drafter_flag}: not allowed with {tree_flag} none (unused draft)")
+    source = tree_flag
+    if a.model is None or (model / "target").is_dir():
+        # a model set: target/, eagle/ and/or draft/, tokenizer/ (the default set may not
+        # be trained yet: its paths are used as they are, and loading says what is missing)
+        if tokenizer is None:
+            tokenizer = model / "tokenizer"
+        if engine == "vllm" and tree is None and drafter is None:
+            kind, tree, source = read_best_vllm_policy()
+            drafter = (kind, None if kind == "ngram" else model / kind)
+        if drafter is None and tree != "none":
+            has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
+            if engine == "vllm":  # vLLM loads a draft LM as it is; EAGLE heads need export
+                use_draft = has_draft
+            else:
+                use_draft = has_draft and (
+                    not has_eagle or (tree is None and read_best_drafter() == "draft")
+                )
+            drafter = ("draft", model / "draft") if use_draft else ("eagle", model / "eagle")
+        model = model / "target"
+    if tree is None:
+        if drafter is None:
+            tree, source = "none", "no draft given"
+        elif engine == "vllm":
+            k = VLLM_DEFAULT_POLICY[1]
+            tree, source = k, f"default for a vLLM {drafter[0]} draft"
+        else:
+            tree, source = read_best_policy()
+    if tree != "none" and drafter is None:
+        parser.error(
+            f"argument {tree_flag}: tree {tree!r} needs a draft (--draft-model or --eagle-head)"
+        )
+    if drafter is not None and drafter[0] == "ngram" and engine == "local" and not _is_ngram(tree):
+        parser.error(
+            f"argument {drafter_flag}: the local engine drafts n-grams as a trie: give "
+            f"--tree ngram:budget=N (not {tree!r})"
+        )
+    if engine == "vllm" and tree != "none" and not _is_chain(tree):
+        if not vllm_plugin_available():
+            parser.error(
+                f"argument {source}: tree {tree!r} needs the project's vLLM tree plugin "
+                "(tree_dev.vllm_plugin), which is not installed here; vLLM alone runs "
+                "chain:K"
+            )
+    # max_model_len: never above what the model was trained for (vLLM refuses it too)
+    limits = [("target", model)]
+    if drafter is not None and drafter[1] is not None and drafter[0] == "draft":
+        limits.append(("draft", drafter[1]))
+    max_len = a.max_model_len
+    for role, path in limits:
+        mpe = max_position_embeddings(path)
+        if mpe is None:
+            continue
+        if max_len is None:
+            max_len = mpe
+        elif max_len > mpe:
+            parser.error(
+                f"argument --max-model-len: {max_len} is above the {role} model's "
+                f"max_position_embeddings {mpe} ({path}/config.json)"
+            )
+    if max_len is None:
+        max_len = 1024
+    name = a.served_model_name
+    if name is None:
+        name = model.parent.name if model.name == "target" else model.name
+    return ServeConfig(
+        model=model,
+        tokenizer=tokenizer,
+        drafter=drafter[0] if drafter else None,
+        drafter_path=drafter[1] if drafter else None,
+        tree=tree,
+        tree_source=source,
+        max_model_len=max_len,
+        engine=engine,
+        host=a.host,
+        port=a.port,
+        max_batch=a.max_batch,
+        kernel_backend=a.kernel_backend,
+        served_model_name=name,
+        dtype=a.dtype,
+        device=a.device,
+        torch_threads=a.torch_threads,
+        gates_report=a.gates_report or GATES_REPORTS[engine],
+        log_level=a.log_level,
+        enforce_eager=a.enforce_eager,
+        speculative_extra=spec_extra,
+        additional_extra=add_extra,
+        vllm_args=passthrough,
+    )
+
+
+# --------------------------------------------------------------------------- vLLM
+def _has_tokenizer(path: Path) -> bool:
+    return any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def vllm_speculative_config(cfg: ServeConfig) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for a config (None for ``tree == "none"``).
+
+    ``num_speculative_tokens`` is the tree's draft-node budget (the plugin's rule).
+    """
+    if cfg.tree == "none":
+        return None
+    sc: dict[str, Any] = {"method": VLLM_METHOD_OF[cfg.drafter]}
+    if cfg.drafter_path is not None:
+        sc["model"] = str(cfg.drafter_path)
+    sc["num_speculative_tokens"] = draft_budget(cfg.tree)
+    return {**sc, **cfg.speculative_extra}
+
+
+def vllm_additional_config(cfg: ServeConfig) -> dict[str, Any] | None:
+    """vLLM's ``additional_config``: the plugin's ``treespec`` key for a tree (not a chain)."""
+    ac = dict(cfg.additional_extra)
+    if cfg.tree != "none" and not _is_chain(cfg.tree):
+        ac["treespec"] = {"tree": cfg.tree}
+    return ac or None
+
+
+def vllm_argv(cfg: ServeConfig) -> list[str]:
+    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` serving ``cfg``.
+
+    A chain runs vLLM's own chain proposer (``draft_model``, ``eagle``, ``ngram``);
+    any other tree adds ``--additional-config '{"treespec": {"tree": SPEC}}'`` for the
+    plugin. ``cfg.vllm_args`` (the words after ``--``) come last, so they win.
+    """
+    argv = [
+        "--model",
+        str(cfg.model),
+        "--served-model-name",
+        cfg.served_model_name,
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--max-num-seqs",
+        str(cfg.max_batch),
+        "--dtype",
+        cfg.dtype,
+        "--uvicorn-log-level",
+        cfg.log_level,
+        "--middleware",
+        VLLM_MODELS_MIDDLEWARE,
+    ]
+    if cfg.tokenizer is not None and not _has_tokenizer(cfg.model):
+        # vLLM reads a tokenizer directory's config.json too: a target that holds its
+        # tokenizer is given alone (the model set's tokenizer/ has no config.json)
+        argv += ["--tokenizer", str(cfg.tokenizer)]
+    sc = vllm_speculative_config(cfg)
+    if sc is not None:
+        argv += ["--speculative-config", json.dumps(sc)]
+    ac = vllm_additional_config(cfg)
+    if ac is not None:
+        argv += ["--additional-config", json.dumps(ac)]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv + list(cfg.vllm_args)

@@ -1,0 +1,74 @@
+"""``--engine vllm``: run vLLM's own OpenAI server (not a reimplementation of it).
+
+``exec_vllm(cfg)`` replaces this process with ``python -m
+vllm.entrypoints.openai.api_server`` and the arguments of ``config.vllm_argv`` (the
+tree plugin is loaded by vLLM itself, through its ``vllm.general_plugins`` entry
+point, from ``--speculative-config`` / ``--additional-config``). The only addition is
+``treespec_models``, an HTTP middleware that vLLM loads through its public
+``--middleware`` option: it adds a ``treespec`` object (engine, tree, draft) to every
+model card of ``GET /v1/models``. It reads that object from the environment variable
+``TREESPEC_SERVE_INFO`` (JSON), which ``exec_vllm`` sets. This module never imports
+vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tree_dev.server.config import ServeConfig, vllm_argv
+
+INFO_ENV = "TREESPEC_SERVE_INFO"
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def vllm_command(cfg: ServeConfig) -> list[str]:
+    """The full command line of vLLM's server for ``cfg``."""
+    return [sys.executable, "-m", VLLM_SERVER_MODULE, *vllm_argv(cfg)]
+
+
+def vllm_env(cfg: ServeConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of vLLM's server: ``base`` (default ``os.environ``) + the policy info."""
+    env = dict(os.environ if base is None else base)
+    env[INFO_ENV] = json.dumps(cfg.info())
+    return env
+
+
+def exec_vllm(cfg: ServeConfig) -> None:
+    """Replace this process with vLLM's OpenAI server for ``cfg`` (never returns)."""
+    cmd = vllm_command(cfg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, vllm_env(cfg))
+
+
+def _info() -> dict[str, Any]:
+    try:
+        info = json.loads(os.environ.get(INFO_ENV, "{}"))
+    except json.JSONDecodeError:
+        info = {}
+    return info if isinstance(info, dict) else {}
+
+
+async def treespec_models(request: Request, call_next) -> Response:
+    """HTTP middleware: ``GET /v1/models`` cards gain ``treespec`` (engine, tree, draft)."""
+    response = await call_next(request)
+    if request.method != "GET" or request.url.path != "/v1/models":
+        return response
+    if response.status_code != 200:
+        return response
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError:
+        return Response(body, status_code=response.status_code, media_type="application/json")
+    info = _info()
+    for card in payload.get("data", []) if isinstance(payload, dict) else []:
+        if isinstance(card, dict):
+            card["treespec"] = info
+    return JSONResponse(payload, status_code=response.status_code)
