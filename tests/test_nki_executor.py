@@ -269,7 +269,7 @@ def test_iota_and_affine_select_follow_the_pattern():
     a = rand(8, 8)
     s = nl.ndarray((8, 8), nl.float32)
     # causal mask: keep j <= i  <=>  i - j >= 0
-    nisa.affine_select(s, [[-1, 8]], 0, 1, sb(a), -1e9, cmp_op=nl.greater_equal)
+    nisa.affine_select(s, [[-1, 8]], 1, sb(a), -1e9, cmp_op=nl.greater_equal)
     np.testing.assert_array_equal(val(s), np.where(np.tril(np.ones((8, 8))) > 0, a, -1e9))
 
 
@@ -405,7 +405,7 @@ RULES = [
         "2052 B per partition > 2048 B",
     ),
     ("psum total > 16 KiB", _psum_overflow, "exceeds the 16 KiB per partition of psum"),
-    ("sbuf total > 192 KiB", _sbuf_overflow, "exceeds the 192 KiB per partition of sbuf"),
+    ("sbuf total > 224 KiB (Trn2)", _sbuf_overflow, "exceeds the 224 KiB per partition of sbuf"),
     ("reduce partition axis", lambda: nl.sum(sb(rand(8, 8)), axis=0), "partition axis 0"),
     (
         "tensor_reduce partition axis",

@@ -1,28 +1,40 @@
-"""``nki.isa`` (``nisa``) of the NumPy NKI executor, NKI 0.3 style: ``dst`` first.
+"""``nki.isa`` (``nisa``) of the NumPy NKI executor, NKI 0.6: ``dst`` first.
 
 Each instruction checks its operands' buffers, shapes and dtypes against
-Trainium's rules before computing (fp32 math, rounding on the write).
+Trainium's rules before computing (fp32 math, rounding on the write), and
+reports itself to :mod:`kernels.nki.executor.profile`. The old value-returning
+forms (``neuronxcc.nki``: ``nisa.tensor_copy(src, dtype=)``,
+``nisa.nc_matmul(stationary, moving)``, ``nisa.activation(op, data)``, ...) are
+accepted where they map 1:1: the executor allocates ``dst`` and returns it.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kernels.nki.executor import language as nl
+from kernels.nki.executor import profile as prof
 from kernels.nki.executor import tiles as T
-from kernels.nki.executor.errors import rule
+from kernels.nki.executor.errors import NkiRuleError, rule
 from kernels.nki.executor.tiles import Tile
+
+NkiValidationError = NkiRuleError
 
 
 class engine(enum.Enum):  # noqa: N801  (NKI spelling)
     unknown = 0
     tensor = 1
-    vector = 2
-    scalar = 3
-    gpsimd = 4
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
 
 
 tensor_engine, vector_engine = engine.tensor, engine.vector
@@ -34,6 +46,51 @@ class reduce_cmd(enum.Enum):  # noqa: N801
     reset = 1
     reduce = 2
     reset_reduce = 3
+    load_reduce = 4
+
+
+class dge_mode(enum.Enum):  # noqa: N801
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
+
+
+_DGE = dge_mode
+
+
+class oob_mode(enum.Enum):  # noqa: N801
+    error = 0
+    skip = 1
+
+
+class matmul_perf_mode(enum.Enum):  # noqa: N801
+    none = "none"
+    double_row = "double_row"
+
+
+class nc_version(enum.Enum):  # noqa: N801
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+def get_nc_version() -> nc_version:
+    """The NeuronCore generation modelled (``NEURON_PLATFORM_TARGET_OVERRIDE``, default gen3)."""
+    return nc_version(T.ctx().nc_version)
+
+
+def get_nc_sub_version() -> int:
+    return 0
+
+
+def _engine(e: Any, default: str, allowed: tuple[str, ...], call: str) -> str:
+    if e is None or e == engine.unknown:
+        return default
+    name = e.name if isinstance(e, engine) else str(e)
+    if name not in allowed:
+        raise rule(call, f"engine {name} cannot run {call}; allowed: {allowed}")
+    return name
 
 
 def _elems(t: Tile) -> int:
@@ -56,25 +113,98 @@ def _np_op(call: str, op: Any):
     return fn
 
 
+def _apply(call: str, op: Any, a, b, raw_a=None, raw_b=None):
+    """``op(a, b)`` in fp32, or on the integer bit patterns for bitvec ops."""
+    if getattr(op, "_bitvec", False):
+        if raw_a is None or (raw_b is None and not np.isscalar(b)):
+            raise rule(call, f"bitvec op {op.__name__} needs integer operands")
+        return op._np(raw_a, raw_b if raw_b is not None else np.int64(b)).astype(np.float64)
+    return _np_op(call, op)(a, b)
+
+
+def _raw_int(t: Tile) -> np.ndarray | None:
+    if t.dtype.kind in "iu" and not T.is_float(t.dtype):
+        return t.array.reshape(t.shape[0], -1).astype(np.int64)
+    return None
+
+
 def _scalar_or_vector(call: str, name: str, x: Any, p: int):
     """A compile-time scalar, or a [P, 1] on-chip vector broadcast along the free axis."""
     if isinstance(x, Tile):
         T.check_onchip(call, name, x)
-        if x.shape != (p, 1):
+        if x.shape[0] != p or _elems(x) != 1:
             raise rule(call, f"{name} must be a scalar or a [{p}, 1] vector, got {x.shape}")
-        return T.read(x).reshape(p, 1)
+        return T.read(x, call).reshape(p, 1)
     if isinstance(x, (bool, int, float, np.floating, np.integer)):
         return np.float32(x)
     raise rule(call, f"{name} must be a scalar or a tile, got {type(x).__name__}")
 
 
-def _flat(t: Tile) -> np.ndarray:
-    return T.read(t).reshape(t.shape[0], -1)
+def _flat(t: Tile, call: str = "read") -> np.ndarray:
+    return T.read(t, call).reshape(t.shape[0], -1)
+
+
+def _write_flat(dst: Tile, values: np.ndarray, call: str) -> None:
+    T.write(dst, np.asarray(values, np.float32).reshape(dst.shape), call)
+
+
+# -- the old value-returning forms ----------------------------------------------------
+
+
+def _dst_first(is_legacy: Callable[[dict], bool], make_dst: Callable[[dict, Any], Tile]):
+    """Accept ``fn(dst, ...)`` (NKI 0.6) and the old ``fn(...) -> tile`` form.
+
+    ``is_legacy`` looks at the arguments bound to the new signature; ``make_dst`` gets
+    them bound to the old one (the new minus ``dst``) and the old ``dtype=``.
+    """
+
+    def deco(fn):
+        names = list(inspect.signature(fn).parameters)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kw):
+            dtype = kw.pop("dtype", None)
+            if kw.pop("mask", None) is not None:
+                raise rule(fn.__name__, "mask= (old-API predicates) is not modelled; slice instead")
+            new = dict(zip(names, args, strict=False)) | kw
+            if "dst" in kw or not is_legacy(new):
+                if dtype is not None and isinstance(new.get("dst"), Tile):
+                    if T.as_dtype(dtype) != new["dst"].dtype:
+                        raise rule(fn.__name__, f"dtype {dtype} != dst dtype {new['dst'].dtype}")
+                return fn(*args, **kw)
+            old = dict(zip(names[1:], args, strict=False)) | kw
+            dst = make_dst(old, dtype)
+            fn(dst, *args, **kw)
+            return dst
+
+        return wrapper
+
+    return deco
+
+
+def _like(key: str, buffer=T.sbuf, fp32_if=()):
+    def make(old: dict, dtype) -> Tile:
+        src = old[key]
+        if not isinstance(src, Tile):
+            raise rule("isa", f"{key} must be a tile, got {type(src).__name__}")
+        if dtype is None:
+            dtype = src.dtype
+            if any(isinstance(old.get(k), Tile) and old[k].dtype == T.float32 for k in fp32_if):
+                dtype = T.float32
+        return Tile.allocate(src.shape, dtype, buffer, "isa")
+
+    return make
 
 
 # -- tensor engine ----------------------------------------------------------------
 
 
+def _matmul_dst(old: dict, dtype) -> Tile:
+    st, mv = old["stationary"], old["moving"]
+    return Tile.allocate((st.shape[-1], mv.shape[-1]), T.float32, T.psum, "nc_matmul")
+
+
+@_dst_first(lambda a: a.get("moving") is None, _matmul_dst)
 def nc_matmul(
     dst: Tile,
     stationary: Tile,
@@ -85,80 +215,192 @@ def nc_matmul(
     accumulate: bool | None = None,
     tile_position=(),
     tile_size=(),
-    perf_mode=None,
+    perf_mode=matmul_perf_mode.none,
     name=None,
     _call: str = "nc_matmul",
 ) -> None:
     """``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on the Tensor Engine.
 
-    SBUF inputs, PSUM fp32 dst; K <= 128, M <= 128, N <= 512; fp32 on both
-    inputs or neither. ``accumulate=True`` adds into dst (False/None overwrite).
+    SBUF inputs, PSUM fp32 dst; K <= 128, M <= 128, N <= 512; fp32 on both inputs
+    or neither. ``accumulate``: ``False`` overwrites (starts an accumulation group),
+    ``True`` adds onto what earlier matmuls wrote, ``None`` (default) overwrites the
+    PSUM locations no matmul has written yet and accumulates onto the others. Adding
+    onto a location never written (``True``), or onto one a non-matmul instruction
+    wrote (``True``/``None``, NeuronCore-v2/v3), is undefined on hardware and raises.
+    ``perf_mode=double_row`` (fp8, v3+): tiles ``[K, 2, M]`` / ``[K, 2, N]``.
     """
     c = _call
     for n, t in (("stationary", stationary), ("moving", moving)):
         T.check_onchip(c, n, t)
         if t.buffer != "sbuf":
             raise rule(c, f"{n} is in {t.buffer}; the Tensor Engine reads its inputs from SBUF")
-        if t.ndim != 2:
-            raise rule(c, f"{n} {t.shape} must be a 2-d tile")
-    k, m = stationary.shape
-    k2, n = moving.shape
+    double = perf_mode == matmul_perf_mode.double_row
+    version = T.ctx().nc_version
+    if double:
+        if version < 3:
+            raise rule(c, "perf_mode=double_row needs NeuronCore-v3 or newer")
+        for n, t in (("stationary", stationary), ("moving", moving)):
+            if t.ndim != 3 or t.shape[1] != 2 or t.dtype not in T.FP8:
+                raise rule(c, f"double_row: {n} {t.shape} {t.dtype} must be [K, 2, F] fp8")
+        if tile_size and tuple(tile_size)[1] != 128:
+            raise rule(c, "double_row cannot be combined with column tiling")
+    else:
+        for n, t in (("stationary", stationary), ("moving", moving)):
+            if t.ndim != 2:
+                raise rule(c, f"{n} {t.shape} must be a 2-d tile")
+    k, m = stationary.shape[0], stationary.shape[-1]
+    k2, n = moving.shape[0], moving.shape[-1]
+    rows, cols = 128, 128
+    if tile_position or tile_size:
+        if not (tile_position and tile_size):
+            raise rule(c, "tile_position and tile_size must both be set for tiling mode")
+        rows, cols = (int(v) for v in tile_size)
+        r0, c0 = (int(v) for v in tile_position)
+        allowed = (32, 64, 128) if version >= 3 else (64, 128)
+        if rows not in allowed or cols not in allowed:
+            raise rule(c, f"tile_size {tuple(tile_size)}: sizes must be in {allowed}")
+        if r0 % rows or c0 % cols or r0 + rows > 128 or c0 + cols > 128:
+            raise rule(c, f"tile_position {tuple(tile_position)} does not fit tile_size")
     if k != k2:
         raise rule(c, f"contraction (partition) dims differ: stationary {k}, moving {k2}")
-    if k > 128:
-        raise rule(c, f"contraction dim {k} > 128 (nl.tile_size.pmax)")
-    if m > 128:
-        raise rule(c, f"stationary free size {m} > 128 (nl.tile_size.gemm_stationary_fmax)")
+    if k > rows:
+        raise rule(c, f"contraction dim {k} > {rows} (nl.tile_size.pmax / tile_size rows)")
+    if m > cols:
+        raise rule(c, f"stationary free size {m} > {cols} (nl.tile_size.gemm_stationary_fmax)")
     if n > 512:
         raise rule(c, f"moving free size {n} > 512 (nl.tile_size.gemm_moving_fmax)")
-    if (stationary.dtype == T.float32) != (moving.dtype == T.float32):
+    fp32 = (T.float32, T.tfloat32)
+    if (stationary.dtype in fp32) != (moving.dtype in fp32):
         raise rule(
             c,
-            f"stationary {stationary.dtype} and moving {moving.dtype}: fp32 must be on both "
-            "sides or neither",
+            f"stationary {T.dtype_name(stationary.dtype)} and moving "
+            f"{T.dtype_name(moving.dtype)}: fp32 must be on both sides or neither",
         )
+    legacy_fp8 = {T.float8_e4m3} & {stationary.dtype, moving.dtype}
+    if legacy_fp8 and T.float8_e4m3fn in (stationary.dtype, moving.dtype):
+        raise rule(c, "float8_e4m3 and float8_e4m3fn cannot be mixed in one matmul")
     T.check_onchip(c, "dst", dst)
     if dst.buffer != "psum":
         raise rule(c, f"dst is in {dst.buffer}; the Tensor Engine writes only to PSUM")
-    if dst.dtype != T.float32:
-        raise rule(c, f"dst dtype {dst.dtype}: matmul results accumulate in a float32 PSUM tile")
     if dst.shape != (m, n):
         raise rule(c, f"dst shape {dst.shape} != [{m}, {n}] (stationary free x moving free)")
-    res = T.read(stationary).T.astype(np.float32) @ T.read(moving)
-    if accumulate:
-        res = T.read(dst) + res
-    T.write(dst, res, c)
+    if is_transpose:
+        if version < 3:
+            raise rule(c, "is_transpose=True needs NeuronCore-v3 or newer")
+        if dst.dtype != stationary.dtype:
+            raise rule(c, f"is_transpose: dst dtype {dst.dtype} != data dtype {stationary.dtype}")
+        if not np.array_equal(_flat(moving, c), np.eye(k, n, dtype=np.float32)):
+            raise rule(c, "is_transpose: moving must be an identity matrix")
+        prof.matmul(k, m, n, fp32=False)
+        T.assign(dst, stationary.array.T, T.PSUM_MATMUL)
+        return
+    if dst.dtype != T.float32:
+        raise rule(c, f"dst dtype {dst.dtype}: matmul results accumulate in a float32 PSUM tile")
+    st = T.read(stationary, c).reshape(k, -1, m)
+    mv = T.read(moving, c).reshape(k, -1, n)
+    res = np.einsum("kim,kin->mn", st, mv, dtype=np.float32, optimize=True)
+    state = T.acc_state(dst)
+    if accumulate is None:
+        add = state != T.PSUM_FRESH
+    elif accumulate:
+        if (state == T.PSUM_FRESH).any():
+            raise rule(
+                c,
+                "accumulate=True onto PSUM locations no matmul has written: undefined "
+                "behaviour on hardware (start the group with accumulate=False)",
+            )
+        add = np.ones(dst.shape, bool)
+    else:
+        add = np.zeros(dst.shape, bool)
+    if version < 4 and (add & (state == T.PSUM_OTHER)).any():
+        raise rule(
+            c,
+            "accumulating onto PSUM locations a non-matmul instruction (memset, "
+            "tensor_copy, ...) initialised: undefined behaviour on NeuronCore-v2/v3 "
+            "(overwrite with accumulate=False)",
+        )
+    if add.any():
+        res = np.where(add, T.read(dst, c) + res, res)
+    prof.matmul(k * (2 if double else 1), m, n, fp32=stationary.dtype in fp32)
+    T.write(dst, res, c, T.PSUM_MATMUL)
 
 
+def _transpose_dst(old: dict, dtype) -> Tile:
+    d = old["data"]
+    return Tile.allocate(d.shape[::-1], d.dtype if dtype is None else dtype, T.psum, "nc_transpose")
+
+
+@_dst_first(lambda a: a.get("data") is None, _transpose_dst)
 def nc_transpose(dst: Tile, data: Tile, engine: engine = engine.unknown, name=None) -> None:
-    """``dst[F, P] = data[P, F].T`` (Tensor Engine: P, F <= 128; dst in PSUM or SBUF)."""
-    T.check_onchip("nc_transpose", "data", data)
-    T.check_onchip("nc_transpose", "dst", dst)
-    if data.ndim != 2 or data.shape[1] > 128:
-        raise rule("nc_transpose", f"data {data.shape} must be 2-d with free size <= 128")
+    """``dst[F, P] = data[P, F].T``: Tensor Engine (P, F <= 128, dst in PSUM) or
+    Vector Engine (``engine=vector``: P, F <= 32, dst in SBUF or PSUM)."""
+    c = "nc_transpose"
+    T.check_onchip(c, "data", data)
+    T.check_onchip(c, "dst", dst)
+    eng = _engine(engine, "tensor", ("tensor", "vector"), c)
+    limit = 128 if eng == "tensor" else 32
+    if data.ndim != 2 or data.shape[1] > limit or data.shape[0] > limit:
+        raise rule(c, f"data {data.shape} must be 2-d with both sizes <= {limit} ({eng} engine)")
     if dst.shape != data.shape[::-1]:
-        raise rule("nc_transpose", f"dst shape {dst.shape} != {data.shape[::-1]}")
-    T.write(dst, T.read(data).T, "nc_transpose")
+        raise rule(c, f"dst shape {dst.shape} != {data.shape[::-1]}")
+    if eng == "tensor":
+        if dst.buffer != "psum":
+            raise rule(c, f"dst is in {dst.buffer}; the Tensor Engine writes only to PSUM")
+        prof.matmul(data.shape[0], data.shape[1], data.shape[0], fp32=data.dtype == T.float32)
+        state = T.PSUM_MATMUL
+    else:
+        prof.vector(data.shape, 1, (data.dtype, dst.dtype))
+        state = T.PSUM_OTHER
+    T.write(dst, T.read(data, c).T, c, state)
 
 
 # -- copies -------------------------------------------------------------------------
 
 
+@_dst_first(lambda a: a.get("src") is None, _like("dst"))
 def tensor_copy(dst: Tile, src: Tile, engine: engine = engine.unknown, name=None) -> None:
-    """``dst = src`` (bit exact for equal dtypes, else through fp32)."""
-    T.check_onchip("tensor_copy", "src", src)
-    T.check_onchip("tensor_copy", "dst", dst)
-    _same_layout("tensor_copy", "dst", dst, "src", src)
+    """``dst = src`` (bit exact for equal dtypes, else through fp32) on the Vector,
+    Scalar or GpSimd Engine (GpSimd cannot access PSUM; Scalar only from v3 on)."""
+    c = "tensor_copy"
+    T.check_onchip(c, "src", src)
+    T.check_onchip(c, "dst", dst)
+    _same_layout(c, "dst", dst, "src", src)
+    eng = _engine(engine, "vector", ("vector", "scalar", "gpsimd"), c)
+    if eng == "gpsimd" and "psum" in (src.buffer, dst.buffer):
+        raise rule(c, "the GpSimd Engine cannot access PSUM")
+    if eng == "scalar" and T.ctx().nc_version == 2:
+        raise rule(c, "NeuronCore-v2 has no tensor_copy on the Scalar Engine (use activation)")
+    prof.engine_op(eng, src.shape, 1, (src.dtype, dst.dtype))
     if dst.dtype == src.dtype:
-        dst.array[...] = src.array.reshape(dst.shape)
+        T.assign(dst, src.array.reshape(dst.shape))
     else:
-        T.write(dst, T.read(src).reshape(dst.shape), "tensor_copy")
+        T.write(dst, T.read(src, c).reshape(dst.shape), c)
 
 
+def _memset_legacy(a: dict) -> bool:
+    return isinstance(a.get("dst"), (tuple, list, int))
+
+
+def _memset_dst(old: dict, dtype) -> Tile:
+    raise rule("memset", "the old nisa.memset(shape, value, dtype) form: use nl.full")
+
+
+@_dst_first(_memset_legacy, _memset_dst)
 def memset(dst: Tile, value, engine: engine = engine.unknown, name=None) -> None:
-    """Fill ``dst`` with the scalar ``value``."""
-    T.check_onchip("memset", "dst", dst)
-    T.write(dst, np.full(dst.shape, value, np.float32), "memset")
+    """Fill ``dst`` with the compile-time constant ``value`` (Vector or GpSimd Engine;
+    packed x4 dtypes only with 0)."""
+    c = "memset"
+    T.check_onchip(c, "dst", dst)
+    eng = _engine(engine, "vector", ("vector", "gpsimd"), c)
+    if eng == "gpsimd" and dst.buffer == "psum":
+        raise rule(c, "the GpSimd Engine cannot access PSUM")
+    prof.engine_op(eng, dst.shape, 1, (dst.dtype,))
+    if dst.dtype in T.PACKED:
+        if value != 0:
+            raise rule(c, f"packed {T.dtype_name(dst.dtype)} can only be memset to 0")
+        T.assign(dst, np.zeros((), dst.dtype))
+        return
+    T.write(dst, np.full(dst.shape, value, np.float32), c)
 
 
 def tensor_copy_predicated(
@@ -190,47 +432,165 @@ def tensor_copy_predicated(
     pred = predicate.array.reshape(dst.shape) != 0
     if reverse_pred:
         pred = ~pred
+    prof.vector(dst.shape, 2, (dst.dtype, predicate.dtype))
     dst.array[pred] = values[pred]
+    T.mark(dst, T.PSUM_OTHER, pred)
+
+
+def _dma_check(call: str, dst: Any, src: Any) -> None:
+    for n, t in (("dst", dst), ("src", src)):
+        if not isinstance(t, Tile):
+            raise rule(call, f"{n} must be a tensor, got {type(t).__name__}")
+        if t.buffer == "psum":
+            raise rule(call, f"{n} is in PSUM; DMA moves data between HBM and SBUF")
 
 
 def dma_copy(
-    dst: Tile, src: Tile, dst_rmw_op=None, oob_mode=None, dge_mode=None, name=None
+    dst: Tile,
+    src: Tile,
+    dst_rmw_op=None,
+    oob_mode=oob_mode.error,
+    dge_mode=dge_mode.unknown,
+    priority=None,
+    engine=engine.unknown,
+    name=None,
 ) -> None:
-    """DMA ``src`` -> ``dst`` between any memories (same number of elements)."""
-    for n, t in (("dst", dst), ("src", src)):
-        if not isinstance(t, Tile):
-            raise rule("dma_copy", f"{n} must be a tensor, got {type(t).__name__}")
+    """DMA ``src`` -> ``dst`` between HBM and SBUF (same number of elements); with
+    ``dst_rmw_op`` (e.g. ``nl.add``) the DMA reads ``dst``, combines and writes."""
+    c = "dma_copy"
+    _dma_check(c, dst, src)
     if dst.array.size != src.array.size:
-        raise rule("dma_copy", f"dst {dst.shape} and src {src.shape} differ in size")
-    if dst.dtype == src.dtype:
-        dst.array[...] = src.array.reshape(dst.shape)
+        raise rule(c, f"dst {dst.shape} and src {src.shape} differ in size")
+    prof.dma(src.buffer, dst.buffer, src.array.nbytes)
+    if dst_rmw_op is not None:
+        res = _np_op(c, dst_rmw_op)(T.read(dst, c), T.read(src, c).reshape(dst.shape))
+        T.write(dst, res, c)
+    elif dst.dtype == src.dtype:
+        T.assign(dst, src.array.reshape(dst.shape))
     else:
-        T.write(dst, T.read(src).reshape(dst.shape), "dma_copy")
+        T.write(dst, T.read(src, c).reshape(dst.shape), c)
+
+
+_DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def dma_transpose(
+    dst: Tile,
+    src: Tile,
+    axes=None,
+    priority=None,
+    dge_mode=dge_mode.unknown,
+    oob_mode=oob_mode.error,
+    name=None,
+) -> None:
+    """Transpose on the DMA engines, HBM or SBUF -> SBUF: 2-d ``(1, 0)``, 3-d
+    ``(2, 1, 0)``, 4-d ``(3, 1, 2, 0)``; 2-byte dtypes, ``src.shape[-1] <= 128``;
+    ``dge_mode=hwdge`` (v3+) also needs ``src.shape[0]`` 16 (2-d) or in
+    {1, 2, 4, 8, 16} with ``src.shape[0] * src.shape[-2] % 16 == 0`` (3/4-d)."""
+    c = "dma_transpose"
+    _dma_check(c, dst, src)
+    if dst.buffer != "sbuf":
+        raise rule(c, f"dst is in {dst.buffer}; dma_transpose writes SBUF")
+    if src.ndim not in _DMA_TRANSPOSE_AXES:
+        raise rule(c, f"src {src.shape} must be 2-, 3- or 4-d")
+    perm = _DMA_TRANSPOSE_AXES[src.ndim]
+    if axes is not None and tuple(axes) != perm:
+        raise rule(c, f"axes {tuple(axes)} unsupported for a {src.ndim}-d src; only {perm}")
+    if src.dtype != dst.dtype:
+        raise rule(c, f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    if src.dtype.itemsize != 2:
+        raise rule(c, f"src dtype {T.dtype_name(src.dtype)} must be 2 bytes")
+    if src.shape[-1] > 128:
+        raise rule(c, f"src.shape[-1] = {src.shape[-1]} > 128")
+    if dge_mode not in (_DGE.unknown, _DGE.hwdge):
+        raise rule(c, f"dge_mode {dge_mode} unsupported for a direct transpose")
+    if dge_mode == _DGE.hwdge:
+        if T.ctx().nc_version < 3:
+            raise rule(c, "hardware DGE needs NeuronCore-v3 or newer")
+        p0 = src.shape[0]
+        ok = p0 == 16 if src.ndim == 2 else p0 in (1, 2, 4, 8, 16) and p0 * src.shape[-2] % 16 == 0
+        if not ok:
+            raise rule(c, f"hwdge: src.shape {src.shape} breaks the src.shape[0] rule")
+    want = tuple(src.shape[a] for a in perm)
+    if dst.shape != want:
+        raise rule(c, f"dst shape {dst.shape} != {want} (src {src.shape} permuted {perm})")
+    prof.dma(src.buffer, dst.buffer, src.array.nbytes)
+    T.assign(dst, src.array.transpose(perm))
 
 
 # -- scalar / vector engine -----------------------------------------------------------
 
-ACTIVATIONS = ("exp", "log", "copy", "reciprocal", "negative", "abs")
+ACTIVATIONS = (
+    "exp",
+    "log",
+    "copy",
+    "reciprocal",
+    "negative",
+    "abs",
+    "rsqrt",
+    "sqrt",
+    "square",
+    "silu",
+    "sigmoid",
+    "tanh",
+    "relu",
+    "gelu",
+    "gelu_apprx_tanh",
+    "softplus",
+    "erf",
+    "sin",
+    "cos",
+    "sign",
+    "bypass",
+)
+
+
+def _activation_dst(old: dict, dtype) -> Tile:
+    data = old["op"]  # old form: activation(op, data, ...) binds data to the new ``op`` slot
+    return Tile.allocate(data.shape, data.dtype if dtype is None else dtype, T.sbuf, "activation")
+
+
+def _activation_legacy(new: dict) -> bool:
+    return callable(new.get("dst")) and not isinstance(new.get("dst"), Tile)
 
 
 def activation(
     dst: Tile,
     op,
-    data: Tile,
+    data: Tile | None = None,
     bias=None,
     scale=1.0,
     reduce_op=None,
     reduce_res: Tile | None = None,
     reduce_cmd: reduce_cmd = reduce_cmd.idle,
     name=None,
-) -> None:
+    dtype=None,
+    mask=None,
+):
     """``dst = op(data * scale + bias)`` on the Scalar Engine.
 
     ``bias``/``scale``: scalars or ``[P, 1]`` vectors. Optional free-axis sum of
     the result into the per-partition registers (``reduce_op=nl.add``), driven
     by ``reduce_cmd`` (reset / reduce / reset_reduce / idle); if ``reduce_res``
-    (``[P, 1]``) is given the registers are read out into it.
+    (``[P, 1]``) is given the registers are read out into it. The old form
+    ``activation(op, data, bias, scale, ..., dtype=)`` returns a new tile.
     """
+    if mask is not None:
+        raise rule("activation", "mask= (old-API predicates) is not modelled; slice instead")
+    if _activation_legacy({"dst": dst}):
+        old_op, old_data = dst, op
+        if data is not None:  # third positional of the old form is the bias
+            bias = data
+        out = _activation_dst({"op": old_data}, dtype)
+        _activation(out, old_op, old_data, bias, scale, reduce_op, reduce_res, reduce_cmd)
+        return out
+    if dtype is not None and T.as_dtype(dtype) != dst.dtype:
+        raise rule("activation", f"dtype {dtype} != dst dtype {dst.dtype}")
+    _activation(dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd)
+    return None
+
+
+def _activation(dst, op, data, bias, scale, reduce_op, reduce_res, cmd) -> None:
     c = "activation"
     T.check_onchip(c, "data", data)
     T.check_onchip(c, "dst", dst)
@@ -238,31 +598,37 @@ def activation(
     if getattr(op, "__name__", None) not in ACTIVATIONS:
         raise rule(c, f"unsupported activation {op!r}; supported: {ACTIVATIONS}")
     p = data.shape[0]
-    x = _flat(data) * _scalar_or_vector(c, "scale", scale, p)
+    x = _flat(data, c) * _scalar_or_vector(c, "scale", scale, p)
     if bias is not None:
         x = x + _scalar_or_vector(c, "bias", bias, p)
     with np.errstate(all="ignore"):
         y = op._np(x).astype(np.float32)
-    T.write(dst, y.reshape(dst.shape), c)
-    if reduce_op is not None or reduce_res is not None or reduce_cmd != reduce_cmd.idle:
-        _registers(c, p, y, reduce_op, reduce_res, reduce_cmd)
+    prof.scalar(data.shape)
+    if reduce_op is not None or reduce_res is not None or cmd != reduce_cmd.idle:
+        _registers(c, p, y, reduce_op, reduce_res, cmd, dst)
+    else:
+        T.write(dst, y.reshape(dst.shape), c)
 
 
-def _registers(c: str, p: int, y: np.ndarray, reduce_op, reduce_res, cmd) -> None:
+def _registers(c: str, p: int, y: np.ndarray, reduce_op, reduce_res, cmd, dst) -> None:
+    """Write ``dst`` first, then the registers into ``reduce_res`` (so a ``reduce_res``
+    that aliases ``dst`` ends up holding the reduction, as on hardware)."""
     regs = T.ctx().act_regs
     if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce) or reduce_res is not None:
         if reduce_op is not nl.add:
             raise rule(
                 c, f"reduce_op must be nl.add (Scalar Engine registers sum), got {reduce_op}"
             )
+    if reduce_res is not None:
+        T.check_onchip(c, "reduce_res", reduce_res)
+        if reduce_res.shape != (p, 1):
+            raise rule(c, f"reduce_res must be [{p}, 1], got {reduce_res.shape}")
+    T.write(dst, y.reshape(dst.shape), c)
     if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
         regs[:p] = 0.0
     if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce):
         regs[:p] += y.sum(axis=1, dtype=np.float32)
     if reduce_res is not None:
-        T.check_onchip(c, "reduce_res", reduce_res)
-        if reduce_res.shape != (p, 1):
-            raise rule(c, f"reduce_res must be [{p}, 1], got {reduce_res.shape}")
         T.write(reduce_res, regs[:p].reshape(p, 1), c)
 
 
@@ -282,13 +648,50 @@ def activation_reduce(
     )
 
 
-REDUCE_OPS = ("add", "maximum", "minimum", "multiply", "max", "min", "sum")
+REDUCE_FNS = {
+    "add": np.sum,
+    "sum": np.sum,
+    "maximum": np.max,
+    "max": np.max,
+    "minimum": np.min,
+    "min": np.min,
+    "multiply": np.prod,
+}
 
 
 def tensor_reduce(
-    dst: Tile, op, data: Tile, axis, negate: bool = False, keepdims: bool = False, name=None
-) -> None:
-    """``dst = op-reduce(data, axis)`` over the last free axes (``-`` if ``negate``)."""
+    dst: Tile,
+    op,
+    data: Tile | None = None,
+    axis=None,
+    negate: bool = False,
+    keepdims: bool = False,
+    name=None,
+    dtype=None,
+    mask=None,
+):
+    """``dst = op-reduce(data, axis)`` over the last free axes (``-`` if ``negate``);
+    the old form ``tensor_reduce(op, data, axis, ...)`` returns a new tile."""
+    if mask is not None:
+        raise rule("tensor_reduce", "mask= (old-API predicates) is not modelled")
+    if callable(dst) and not isinstance(dst, Tile):  # old form: (op, data, axis)
+        op, data, axis = dst, op, data if axis is None else axis
+        T.check_onchip("tensor_reduce", "data", data)
+        axes = nl.check_free_axes("tensor_reduce", data, axis)
+        if keepdims:
+            shape = tuple(1 if i in axes else s for i, s in enumerate(data.shape))
+        else:
+            shape = tuple(s for i, s in enumerate(data.shape) if i not in axes)
+        if len(shape) < 2:
+            shape = (data.shape[0], 1)
+        out = Tile.allocate(shape, data.dtype if dtype is None else dtype, T.sbuf, "tensor_reduce")
+        _tensor_reduce(out, op, data, axis, negate, keepdims)
+        return out
+    _tensor_reduce(dst, op, data, axis, negate, keepdims)
+    return None
+
+
+def _tensor_reduce(dst, op, data, axis, negate, keepdims) -> None:
     c = "tensor_reduce"
     T.check_onchip(c, "data", data)
     T.check_onchip(c, "dst", dst)
@@ -296,25 +699,22 @@ def tensor_reduce(
     if sorted(axes) != list(range(data.ndim - len(axes), data.ndim)):
         raise rule(c, f"axis {axis} must be the last contiguous free axes of {data.shape}")
     opname = getattr(op, "__name__", None)
-    if opname not in REDUCE_OPS:
+    if opname not in REDUCE_FNS:
         raise rule(c, f"unsupported reduce op {op!r}")
-    fn = {
-        "add": np.sum,
-        "sum": np.sum,
-        "maximum": np.max,
-        "max": np.max,
-        "minimum": np.min,
-        "min": np.min,
-        "multiply": np.prod,
-    }[opname]
-    res = fn(T.read(data), axis=axes, keepdims=keepdims)
+    res = REDUCE_FNS[opname](T.read(data, c), axis=axes, keepdims=keepdims)
     if negate:
         res = -res
     if dst.shape[0] != data.shape[0] or _elems(dst) != int(np.prod(res.shape[1:])):
         raise rule(c, f"dst {dst.shape} does not hold the reduction of {data.shape} over {axes}")
+    prof.vector(data.shape, 1, (data.dtype, dst.dtype))
     T.write(dst, res.reshape(dst.shape), c)
 
 
+def _ts_legacy(new: dict) -> bool:
+    return callable(new.get("data")) and not isinstance(new.get("data"), Tile)
+
+
+@_dst_first(_ts_legacy, _like("data"))
 def tensor_scalar(
     dst: Tile,
     data: Tile,
@@ -327,30 +727,39 @@ def tensor_scalar(
     engine: engine = engine.unknown,
     name=None,
 ) -> None:
-    """``dst = (data op0 operand0) op1 operand1``; operands scalars or ``[P, 1]`` vectors."""
+    """``dst = (data op0 operand0) op1 operand1``; operands scalars or ``[P, 1]`` vectors
+    (Vector, Scalar or GpSimd Engine)."""
     c = "tensor_scalar"
     T.check_onchip(c, "data", data)
     T.check_onchip(c, "dst", dst)
     _same_layout(c, "dst", dst, "data", data)
+    eng = _engine(engine, "vector", ("vector", "scalar", "gpsimd"), c)
     p = data.shape[0]
-    x = _flat(data)
+    x = _flat(data, c)
+    raw = _raw_int(data)
     with np.errstate(all="ignore"):
         a = _scalar_or_vector(c, "operand0", operand0, p)
-        f0 = _np_op(c, op0)
-        x = f0(a, x) if reverse0 else f0(x, a)
+        x = _apply(c, op0, a, x, None, raw) if reverse0 else _apply(c, op0, x, a, raw, None)
         if op1 is not None:
             b = _scalar_or_vector(c, "operand1", operand1, p)
-            f1 = _np_op(c, op1)
-            x = f1(b, x) if reverse1 else f1(x, b)
+            raw1 = x.astype(np.int64) if getattr(op1, "_bitvec", False) else None
+            x = _apply(c, op1, b, x, None, raw1) if reverse1 else _apply(c, op1, x, b, raw1, None)
         elif operand1 is not None:
             raise rule(c, "operand1 given without op1")
-    T.write(dst, np.asarray(x, np.float32).reshape(dst.shape), c)
+    prof.engine_op(eng, data.shape, 1, (data.dtype, dst.dtype))
+    _write_flat(dst, x, c)
 
 
+def _tt_legacy(new: dict) -> bool:
+    return callable(new.get("data2")) and not isinstance(new.get("data2"), Tile)
+
+
+@_dst_first(_tt_legacy, _like("data1", fp32_if=("data1", "data2")))
 def tensor_tensor(
     dst: Tile, data1: Tile, data2: Tile, op, engine: engine = engine.unknown, name=None
 ) -> None:
-    """``dst = data1 op data2`` elementwise; all three with the same layout, no broadcast."""
+    """``dst = data1 op data2`` elementwise; all three with the same layout, no broadcast;
+    ``data1`` and ``data2`` not both in PSUM (Vector or GpSimd Engine)."""
     c = "tensor_tensor"
     for n, t in (("data1", data1), ("data2", data2), ("dst", dst)):
         T.check_onchip(c, n, t)
@@ -358,9 +767,146 @@ def tensor_tensor(
     _same_layout(c, "dst", dst, "data1", data1)
     if data1.buffer == "psum" and data2.buffer == "psum":
         raise rule(c, "data1 and data2 may not both be in PSUM")
+    eng = _engine(engine, "vector", ("vector", "gpsimd"), c)
+    if eng == "gpsimd" and "psum" in (data1.buffer, data2.buffer, dst.buffer):
+        raise rule(c, "the GpSimd Engine cannot access PSUM")
     with np.errstate(all="ignore"):
-        res = _np_op(c, op)(_flat(data1), _flat(data2))
-    T.write(dst, np.asarray(res, np.float32).reshape(dst.shape), c)
+        res = _apply(c, op, _flat(data1, c), _flat(data2, c), _raw_int(data1), _raw_int(data2))
+    prof.engine_op(eng, data1.shape, 2, (data1.dtype, data2.dtype, dst.dtype))
+    _write_flat(dst, res, c)
+
+
+@_dst_first(_ts_legacy, _like("data"))
+def scalar_tensor_tensor(
+    dst: Tile,
+    data: Tile,
+    op0,
+    operand0,
+    op1,
+    operand1: Tile,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    name=None,
+) -> None:
+    """``dst = (data op0 operand0) op1 operand1`` on the Vector Engine: ``operand0`` a
+    scalar or ``[P, 1]`` vector, ``operand1`` a tile of ``data``'s layout; ``data`` and
+    ``operand1`` not both in PSUM; arithmetic ops only (no bitvec)."""
+    c = "scalar_tensor_tensor"
+    T.check_onchip(c, "data", data)
+    T.check_onchip(c, "dst", dst)
+    T.check_onchip(c, "operand1", operand1)
+    _same_layout(c, "dst", dst, "data", data)
+    _same_layout(c, "operand1", operand1, "data", data)
+    if data.buffer == "psum" and operand1.buffer == "psum":
+        raise rule(c, "data and operand1 may not both be in PSUM")
+    for n, op in (("op0", op0), ("op1", op1)):
+        if getattr(op, "_bitvec", False):
+            raise rule(c, f"{n} {op.__name__} is a bitvec op; only arithmetic ops are allowed")
+    p = data.shape[0]
+    with np.errstate(all="ignore"):
+        a = _scalar_or_vector(c, "operand0", operand0, p)
+        f0, f1 = _np_op(c, op0), _np_op(c, op1)
+        x = _flat(data, c)
+        x = f0(a, x) if reverse0 else f0(x, a)
+        b = _flat(operand1, c)
+        x = f1(b, x) if reverse1 else f1(x, b)
+    prof.vector(data.shape, 2, (data.dtype, operand1.dtype, dst.dtype))
+    _write_flat(dst, x, c)
+
+
+@_dst_first(lambda a: a.get("data") is None, _like("dst"))
+def reciprocal(dst: Tile, data: Tile, name=None) -> None:
+    """``dst = 1 / data`` on the Vector Engine (fp32 math; SBUF or PSUM)."""
+    c = "reciprocal"
+    T.check_onchip(c, "data", data)
+    T.check_onchip(c, "dst", dst)
+    _same_layout(c, "dst", dst, "data", data)
+    with np.errstate(all="ignore"):
+        res = np.float32(1.0) / _flat(data, c)
+    prof.vector(data.shape, 1, (data.dtype, dst.dtype))
+    _write_flat(dst, res, c)
+
+
+def tensor_tensor_scan(
+    dst: Tile,
+    data0: Tile,
+    data1: Tile,
+    initial,
+    op0,
+    op1,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    name=None,
+) -> None:
+    """Per partition, over the free elements in order (fp32 state):
+    ``r[i] = op1(op0(data0[i], r[i-1]), data1[i])`` with ``r[-1] = initial``
+    (``reverse0``: ``op0(r[i-1], data0[i])``; ``reverse1``: ``op1(data1[i], .)``).
+    ``initial``: a scalar or a ``[P, 1]`` tile; ``data0``/``data1`` not both in PSUM."""
+    c = "tensor_tensor_scan"
+    for n, t in (("data0", data0), ("data1", data1), ("dst", dst)):
+        T.check_onchip(c, n, t)
+    _same_layout(c, "data0", data0, "data1", data1)
+    _same_layout(c, "dst", dst, "data0", data0)
+    if data0.buffer == "psum" and data1.buffer == "psum":
+        raise rule(c, "data0 and data1 may not both be in PSUM")
+    p = data0.shape[0]
+    state = np.broadcast_to(_scalar_or_vector(c, "initial", initial, p), (p, 1)).reshape(p)
+    state = state.astype(np.float32)
+    f0, f1 = _np_op(c, op0), _np_op(c, op1)
+    x0, x1 = _flat(data0, c), _flat(data1, c)
+    out = np.empty_like(x0)
+    with np.errstate(all="ignore"):
+        for i in range(x0.shape[1]):
+            t = f0(state, x0[:, i]) if reverse0 else f0(x0[:, i], state)
+            state = (f1(x1[:, i], t) if reverse1 else f1(t, x1[:, i])).astype(np.float32)
+            out[:, i] = state
+    prof.vector(data0.shape, 2, (data0.dtype, data1.dtype, dst.dtype))
+    _write_flat(dst, out, c)
+
+
+def _start_partition(t: Tile) -> int:
+    row = t._storage.array.size // t._storage.array.shape[0]
+    return (t.offset // row) if t.buffer.on_chip else 0
+
+
+def nc_stream_shuffle(dst: Tile, src: Tile, shuffle_mask, name=None) -> None:
+    """Cross-partition move inside each 32-partition quadrant (Vector Engine):
+    ``dst[q*32 + i] = src[q*32 + shuffle_mask[i]]``; 255 leaves ``dst[q*32 + i]`` as is.
+    Same dtype and elements per partition; start partitions follow the active-partition
+    rule (96/128 active: 0; 64: 0 or 64; 32: 0, 32, 64 or 96)."""
+    c = "nc_stream_shuffle"
+    T.check_onchip(c, "src", src)
+    T.check_onchip(c, "dst", dst)
+    mask = [int(m) for m in shuffle_mask]
+    if len(mask) != 32:
+        raise rule(c, f"shuffle_mask has {len(mask)} entries; needs 32")
+    if any(not (0 <= m < 32 or m == 255) for m in mask):
+        raise rule(c, f"shuffle_mask {mask}: entries must be 0..31 or 255")
+    if src.dtype != dst.dtype:
+        raise rule(c, f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    if _elems(src) != _elems(dst):
+        raise rule(c, f"src {src.shape} and dst {dst.shape} differ in elements per partition")
+    active = -(-max(src.shape[0], dst.shape[0]) // 32) * 32
+    allowed = {128: (0,), 96: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}[active]
+    for n, t in (("src", src), ("dst", dst)):
+        if _start_partition(t) not in allowed:
+            raise rule(
+                c,
+                f"{n} starts at partition {_start_partition(t)}; with {active} active "
+                f"partitions it must start at one of {allowed}",
+            )
+    x = src.array.reshape(src.shape[0], -1).copy()
+    out = dst.array.reshape(dst.shape[0], -1).copy()
+    for i in range(dst.shape[0]):
+        m = mask[i % 32]
+        if m == 255:
+            continue
+        j = (i // 32) * 32 + m
+        if j >= src.shape[0]:
+            raise rule(c, f"dst partition {i} reads src partition {j} of {src.shape[0]}")
+        out[i] = x[j]
+    prof.vector(src.shape, 1, (src.dtype, dst.dtype))
+    T.assign(dst, out.reshape(dst.shape))
 
 
 # -- gpsimd: iota / affine_select ------------------------------------------------------
@@ -388,27 +934,28 @@ def _affine(call: str, shape: tuple[int, ...], pattern, offset: int, channel_mul
     return int(offset) + chan + val.reshape(1, -1)
 
 
-def iota(dst: Tile, pattern, offset: int, channel_multiplier: int = 0, name=None) -> None:
+def iota(dst: Tile, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) -> None:
     """``dst[p, i] = offset + p * channel_multiplier + sum_k idx_k * step_k`` (int32 math);
     ``pattern = [[step, num], ...]`` innermost last. dst in SBUF."""
     T.check_onchip("iota", "dst", dst)
+    prof.gpsimd(dst.shape)
     if dst.buffer != "sbuf":
         raise rule("iota", f"dst is in {dst.buffer}; iota writes SBUF")
     vals = _affine("iota", dst.shape, pattern, offset, channel_multiplier)
     if T.is_float(dst.dtype):
         T.write(dst, vals.astype(np.float32).reshape(dst.shape), "iota")
     else:
-        dst.array[...] = vals.astype(np.int32).astype(dst.dtype).reshape(dst.shape)
+        T.assign(dst, vals.astype(np.int32).astype(dst.dtype).reshape(dst.shape))
 
 
 def affine_select(
     dst: Tile,
     pattern,
-    offset: int,
     channel_multiplier: int,
     on_true_tile: Tile,
     on_false_value: float,
     cmp_op=nl.equal,
+    offset: int = 0,
     name=None,
 ) -> None:
     """``dst = on_true_tile`` where ``cmp_op(affine, 0)`` else ``on_false_value``; the
@@ -417,7 +964,10 @@ def affine_select(
     T.check_onchip(c, "dst", dst)
     T.check_onchip(c, "on_true_tile", on_true_tile)
     _same_layout(c, "dst", dst, "on_true_tile", on_true_tile)
+    if dst.buffer == "psum" or on_true_tile.buffer == "psum":
+        raise rule(c, "the GpSimd Engine cannot access PSUM")
     aff = _affine(c, dst.shape, pattern, offset, channel_multiplier)
+    prof.gpsimd(dst.shape)
     pred = _np_op(c, cmp_op)(aff.astype(np.float64), 0.0) != 0
     res = np.where(pred, _flat(on_true_tile), np.float32(on_false_value))
     T.write(dst, res.reshape(dst.shape), c)
@@ -443,6 +993,7 @@ def max8(dst: Tile, src: Tile, name=None) -> None:
     x = _flat(src)
     part = -np.partition(-x, 7, axis=1)[:, :8] if x.shape[1] > 8 else x
     top = -np.sort(-part, axis=1)
+    prof.vector(src.shape, 1, (src.dtype,))
     T.write(dst, top, "max8")
 
 
@@ -470,4 +1021,5 @@ def nc_find_index8(dst: Tile, data: Tile, vals: Tile, name=None) -> None:
             if k < hits.size:
                 out[p, j] = hits[k]
                 used[float(v[p, j])] = k + 1
-    dst.array[...] = out.astype(dst.dtype)
+    prof.vector(data.shape, 1, (data.dtype,))
+    T.assign(dst, out.astype(dst.dtype))

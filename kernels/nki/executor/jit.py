@@ -3,8 +3,10 @@
 Tensor arguments (torch tensors or NumPy arrays) become HBM tensors that share
 memory with the caller's array where possible (so a kernel may update an
 input in place); float64 is rejected. The kernel runs once per program of the
-grid, in row-major order; what it returns (tensors allocated in
-``nl.shared_hbm``) comes back as torch tensors.
+grid (``kernel[n]``: in NKI 0.6 the LNC degree, here n SPMD programs), in
+row-major order; what it returns (tensors allocated in ``nl.shared_hbm``) comes
+back as torch tensors if any argument was a torch tensor, else as NumPy arrays
+(as ``nki.simulate`` does).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.nki.executor import profile as prof
 from kernels.nki.executor import tiles as T
 from kernels.nki.executor.errors import rule
 from kernels.nki.executor.tiles import Tile
@@ -24,11 +27,16 @@ _TORCH_TO_NP = {
     torch.float32: T.float32,
     torch.float16: T.float16,
     torch.bfloat16: T.bfloat16,
+    torch.float8_e4m3fn: T.float8_e4m3fn,
+    torch.float8_e5m2: T.float8_e5m2,
     torch.int32: T.int32,
     torch.int16: T.int16,
     torch.int8: T.int8,
     torch.uint8: T.uint8,
+    torch.uint16: T.uint16,
+    torch.uint32: T.uint32,
 }
+_NP_TO_TORCH = {v: k for k, v in _TORCH_TO_NP.items()}
 
 
 def to_hbm(name: str, x: Any) -> Any:
@@ -40,13 +48,16 @@ def to_hbm(name: str, x: Any) -> Any:
             raise rule(
                 "jit",
                 f"argument {name!r} has dtype {x.dtype}; supported: float32, bfloat16, "
-                "float16, int32, int16, int8, uint8 (float64/int64 do not exist on Trainium)",
+                "float16, float8_e4m3fn, float8_e5m2, int32, int16, int8, uint32, uint16, "
+                "uint8 (float64/int64 do not exist on Trainium)",
             )
         if x.device.type != "cpu":
             raise rule("jit", f"argument {name!r} is on {x.device}; the executor runs on the CPU")
         t = x.detach()
-        if t.dtype == torch.bfloat16:
-            arr = t.view(torch.int16).numpy().view(T.bfloat16)
+        np_dtype = _TORCH_TO_NP[t.dtype]
+        if t.dtype.itemsize <= 2 and t.dtype.is_floating_point and t.dtype != torch.float16:
+            bits = torch.int16 if t.dtype.itemsize == 2 else torch.uint8
+            arr = t.view(bits).numpy().view(np_dtype)
         else:
             arr = t.numpy()
         return Tile.wrap(arr, T.hbm)
@@ -61,11 +72,23 @@ def to_hbm(name: str, x: Any) -> Any:
 def to_torch(x: Any) -> Any:
     if isinstance(x, Tile):
         arr = np.ascontiguousarray(x.array)
-        if arr.dtype == T.bfloat16:
-            return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+        target = _NP_TO_TORCH.get(arr.dtype)
+        if target is None:
+            raise rule("jit", f"output dtype {T.dtype_name(arr.dtype)} has no torch dtype")
+        if target.itemsize <= 2 and target.is_floating_point and target != torch.float16:
+            bits = np.int16 if target.itemsize == 2 else np.uint8
+            return torch.from_numpy(arr.view(bits).copy()).view(target)
         return torch.from_numpy(arr.copy())
     if isinstance(x, (tuple, list)):
         return type(x)(to_torch(v) for v in x)
+    return x
+
+
+def to_numpy(x: Any) -> Any:
+    if isinstance(x, Tile):
+        return np.ascontiguousarray(x.array).copy()
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_numpy(v) for v in x)
     return x
 
 
@@ -85,6 +108,7 @@ class Kernel:
 
     def __call__(self, *args, **kwargs):
         names = self.fn.__code__.co_varnames
+        use_torch = any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
         args = tuple(to_hbm(names[i] if i < len(names) else str(i), a) for i, a in enumerate(args))
         kwargs = {k: to_hbm(k, v) for k, v in kwargs.items()}
         context = T.LaunchContext(self.grid)
@@ -94,10 +118,11 @@ class Kernel:
             for pid in itertools.product(*(range(g) for g in self.grid)):
                 context.program = pid
                 context.shared_pos = 0
+                prof.launch()
                 result = self.fn(*args, **kwargs)
         finally:
             T._CTX.pop()
-        return to_torch(result)
+        return to_torch(result) if use_torch else to_numpy(result)
 
 
 def jit(fn=None, *, mode: str | None = None, **options):
@@ -105,3 +130,9 @@ def jit(fn=None, *, mode: str | None = None, **options):
     if fn is None:
         return lambda f: Kernel(f)
     return Kernel(fn)
+
+
+def simulate(kernel) -> Kernel:
+    """``nki.simulate(kernel)(*args)``: run ``kernel`` (jitted or a plain function) on
+    the executor; NumPy in, NumPy out; torch in, torch out."""
+    return kernel if isinstance(kernel, Kernel) else Kernel(kernel)

@@ -1,10 +1,12 @@
-"""``nki.language`` (``nl``) of the NumPy NKI executor: allocation, DMA, ranges,
-grid queries and value-returning tile math.
+"""``nki.language`` (``nl``) of the NumPy NKI executor: dtypes, allocation, DMA,
+ranges, grid queries, value-returning tile math, and the old ``neuronxcc.nki``
+names that map 1:1 (``nl.arange`` / ``nl.mgrid`` index expressions, ``nl.par_dim``).
 
 Value-returning ops allocate their result in SBUF (``nl.matmul`` in PSUM, fp32).
 Elementwise math reads operands as fp32 and rounds on the write. A Python
 scalar broadcasts everywhere; of the tiles, only a ``[P, 1]`` operand
-broadcasts, and only along the free axis.
+broadcasts, and only along the free axis (``nl.broadcast_to`` makes the rest
+explicit).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.nki.executor import profile as prof
 from kernels.nki.executor import tiles as T
 from kernels.nki.executor.errors import rule
 from kernels.nki.executor.tiles import (  # noqa: F401  (re-exported as nl.*)
@@ -23,6 +26,13 @@ from kernels.nki.executor.tiles import (  # noqa: F401  (re-exported as nl.*)
     Tile,
     bfloat16,
     bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
     float16,
     float32,
     hbm,
@@ -33,19 +43,133 @@ from kernels.nki.executor.tiles import (  # noqa: F401  (re-exported as nl.*)
     psum,
     sbuf,
     shared_hbm,
+    tfloat32,
     uint8,
     uint16,
     uint32,
 )
 
+NkiTensor = Tile
+DynamicSlice = DynSlice
+
+
+class NKIObject:
+    """Base class of NKI kernel dataclasses and configuration objects (keyword
+    arguments become attributes)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+
+
 tile_size = SimpleNamespace(
     pmax=128,
     psum_fmax=512,
+    psum_bank_fmax=512,
+    psum_bank_fmax_bytes=T.PSUM_TILE_BYTES,
+    psum_num_banks=T.PSUM_PARTITION_BYTES // T.PSUM_TILE_BYTES,
     gemm_stationary_fmax=128,
     gemm_moving_fmax=512,
+    bn_stats_fmax=512,
     psum_partition_bytes=T.PSUM_PARTITION_BYTES,
     sbuf_partition_bytes=T.SBUF_PARTITION_BYTES,
+    sbuf_fmax_bytes=T.SBUF_PARTITION_BYTES,
+    sbuf_fmax=T.SBUF_PARTITION_BYTES // 4,
+    sbuf_size_bytes=T.SBUF_PARTITION_BYTES * T.PMAX,
+    total_available_sbuf_size=T.SBUF_PARTITION_BYTES,
 )
+
+
+def is_hbm(buffer) -> bool:
+    return str(buffer) in ("hbm", "shared_hbm", "private_hbm")
+
+
+def is_on_chip(buffer) -> bool:
+    return str(buffer) in ("sbuf", "psum")
+
+
+def is_psum(buffer) -> bool:
+    return str(buffer) == "psum"
+
+
+def is_sbuf(buffer) -> bool:
+    return str(buffer) == "sbuf"
+
+
+# -- the old API's index expressions (neuronxcc.nki) -------------------------------------
+
+
+class IndexExpr:
+    """``nl.arange(n)`` (and ``nl.mgrid``) of the old API: an integer index grid.
+
+    ``[:, None]`` / ``[None, :]`` place it on an axis, ``+``, ``-``, ``*`` by integers
+    keep it affine; used as an index it must be an arithmetic progression with a
+    positive step, and becomes that slice.
+    """
+
+    __array_priority__ = 100
+
+    def __init__(self, values: np.ndarray):
+        self.values = np.asarray(values, np.int64)
+
+    def __getitem__(self, key) -> IndexExpr:
+        return IndexExpr(self.values[key])
+
+    def _num(self, other) -> int:
+        if isinstance(other, (int, np.integer)):
+            return int(other)
+        raise rule("arange", f"index expressions combine only with integers, got {other!r}")
+
+    def __add__(self, o):
+        return IndexExpr(self.values + self._num(o))
+
+    __radd__ = __add__
+
+    def __sub__(self, o):
+        return IndexExpr(self.values - self._num(o))
+
+    def __rsub__(self, o):
+        return IndexExpr(self._num(o) - self.values)
+
+    def __mul__(self, o):
+        return IndexExpr(self.values * self._num(o))
+
+    __rmul__ = __mul__
+
+    def as_slice(self, axis: int) -> slice:
+        flat = self.values.reshape(-1)
+        if flat.size == 1:
+            return slice(int(flat[0]), int(flat[0]) + 1)
+        step = int(flat[1] - flat[0])
+        if step < 1 or not np.array_equal(flat, flat[0] + step * np.arange(flat.size)):
+            raise rule("index", f"axis {axis}: index expression is not an increasing affine range")
+        return slice(int(flat[0]), int(flat[-1]) + 1, step)
+
+    def _mask(self, *a, **k):
+        raise rule("arange", "comparisons of index expressions (old-API masks) are not modelled")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _mask
+
+
+def arange(*args) -> IndexExpr:
+    """Old API: ``nl.arange(n)`` / ``nl.arange(start, stop)`` as an index expression."""
+    return IndexExpr(np.arange(*args))
+
+
+class _MGrid:
+    def __getitem__(self, key) -> tuple[IndexExpr, ...]:
+        key = key if isinstance(key, tuple) else (key,)
+        return tuple(IndexExpr(g) for g in np.mgrid[key])
+
+
+mgrid = _MGrid()
+
+
+def par_dim(size: int) -> int:
+    """Old API: ``nl.par_dim(p)`` marked the partition dim of a shape; the first dim is
+    always the partition dim, so it is just ``p``."""
+    return int(size)
+
 
 # -- allocation -----------------------------------------------------------------
 
@@ -69,19 +193,46 @@ def ndarray(shape, dtype, buffer=sbuf, name: str = "") -> Tile:
                     f"{shape_t} {np.dtype(dtype)}, program 0 as {t.shape} {t.dtype}",
                 )
         else:
-            t = Tile.allocate(shape_t, dtype, buffer, "ndarray")
+            t = Tile.allocate(shape_t, dtype, buffer, "ndarray", name=name)
             c.shared.append(t)
         c.shared_pos += 1
         return t
-    return Tile.allocate(shape, dtype, buffer, "ndarray")
+    return Tile.allocate(shape, dtype, buffer, "ndarray", name=name)
+
+
+def _filled(call: str, shape, dtype, buffer, fill, name: str) -> Tile:
+    t = Tile.allocate(shape, dtype, buffer, call, name=name)
+    if t.buffer.on_chip:
+        prof.vector(t.shape, 1, (t.dtype,))  # a memset
+    T.write(t, np.full(t.shape, fill, np.float32), call)
+    return t
 
 
 def zeros(shape, dtype, buffer=sbuf, name: str = "") -> Tile:
-    return Tile.allocate(shape, dtype, buffer, "zeros", fill=0)
+    return _filled("zeros", shape, dtype, buffer, 0.0, name)
+
+
+def ones(shape, dtype, buffer=sbuf, name: str = "") -> Tile:
+    return _filled("ones", shape, dtype, buffer, 1.0, name)
 
 
 def full(shape, fill_value, dtype, buffer=sbuf, name: str = "") -> Tile:
-    return Tile.allocate(shape, dtype, buffer, "full", fill=fill_value)
+    return _filled("full", shape, dtype, buffer, fill_value, name)
+
+
+def zeros_like(x: Tile, dtype=None, buffer=None, name: str = "") -> Tile:
+    return zeros(x.shape, x.dtype if dtype is None else dtype, buffer or x.buffer, name)
+
+
+def empty_like(x: Tile, dtype=None, buffer=None, name: str = "") -> Tile:
+    return ndarray(x.shape, x.dtype if dtype is None else dtype, buffer or x.buffer, name)
+
+
+def shared_identity_matrix(n: int, dtype=uint8, dst: Tile | None = None) -> Tile:
+    """An ``[n, n]`` identity matrix in SBUF (``dst`` if given)."""
+    out = Tile.allocate((n, n), dtype, sbuf, "shared_identity_matrix") if dst is None else dst
+    T.write(out, np.eye(n, dtype=np.float32), "shared_identity_matrix")
+    return out
 
 
 def ds(start: int, size: int) -> DynSlice:
@@ -100,28 +251,48 @@ def _hbm(call: str, name: str, t: Any) -> Tile:
     return t
 
 
+def _no_mask(call: str, mask) -> None:
+    if mask is not None:
+        raise rule(call, "mask= (old-API predicates) is not modelled; slice the tensor instead")
+
+
 def load(src: Tile, dtype=None, mask=None) -> Tile:
     """HBM -> a new SBUF tile of the same shape (optionally cast to ``dtype``)."""
+    _no_mask("load", mask)
     _hbm("load", "src", src)
     out = Tile.allocate(src.shape, src.dtype if dtype is None else dtype, sbuf, "load")
+    prof.dma(src.buffer, out.buffer, src.array.nbytes)
     if dtype is None or np.dtype(dtype) == src.dtype:
-        out.array[...] = src.array
+        T.assign(out, src.array)
     else:
-        T.write(out, T.read(src), "load")
+        T.write(out, T.read(src, "load"), "load")
+    return out
+
+
+def load_transpose2d(src: Tile, dtype=None) -> Tile:
+    """HBM ``[F, P]`` -> SBUF ``[P, F]`` (a DMA transpose; P <= 128)."""
+    _hbm("load_transpose2d", "src", src)
+    if src.ndim != 2:
+        raise rule("load_transpose2d", f"src {src.shape} must be 2-d")
+    out = Tile.allocate(src.shape[::-1], src.dtype if dtype is None else dtype, sbuf, "load")
+    prof.dma(src.buffer, out.buffer, src.array.nbytes)
+    T.write(out, T.read(src, "load_transpose2d").T, "load_transpose2d")
     return out
 
 
 def store(dst: Tile, value, mask=None) -> None:
     """An SBUF/PSUM tile (or scalar) -> HBM ``dst`` of the same shape."""
+    _no_mask("store", mask)
     _hbm("store", "dst", dst)
     if isinstance(value, Tile):
         T.check_onchip("store", "value", value)
         if value.shape != dst.shape:
             raise rule("store", f"value shape {value.shape} != dst shape {dst.shape}")
+        prof.dma(value.buffer, dst.buffer, dst.array.nbytes)
         if value.dtype == dst.dtype:
-            dst.array[...] = value.array
+            T.assign(dst, value.array)
         else:
-            T.write(dst, T.read(value), "store")
+            T.write(dst, T.read(value, "store"), "store")
     else:
         T.write(dst, np.full(dst.shape, float(value), np.float32), "store")
 
@@ -144,7 +315,22 @@ def static_range(*args) -> range:
     return builtins.range(*args)
 
 
-def program_id(axis: int) -> int:
+def dynamic_range(*args) -> range:
+    """Loop with a runtime trip count (deprecated in 0.6; the executor runs it in order)."""
+    return builtins.range(*(int(a) for a in args))
+
+
+def fori_loop(lower: int, upper: int, body_fun, step: int = 1):
+    """``for i in range(lower, upper, step): body_fun(i)`` (the runtime loop of NKI 0.6)."""
+    for i in builtins.range(int(lower), int(upper), int(step)):
+        body_fun(i)
+
+
+def while_loop(init, body_fun):
+    raise rule("while_loop", "data-dependent loops are not modelled by the executor")
+
+
+def program_id(axis: int = 0) -> int:
     c = T.ctx()
     if not 0 <= axis < len(c.grid):
         raise rule("program_id", f"axis {axis} outside the {len(c.grid)}-d launch grid")
@@ -221,38 +407,92 @@ def _result_dtype(xs: list[Any], dtype) -> np.dtype:
     return dts[0]
 
 
-def _elementwise(call: str, fn, args: list[tuple[str, Any]], dtype=None) -> Tile:
+def _elementwise(call: str, fn, args: list[tuple[str, Any]], dtype=None, engine="vector") -> Tile:
     args = [(n, _operand(call, n, x)) for n, x in args]
     shape, vals = broadcast(call, args)
     with np.errstate(all="ignore"):
         res = np.broadcast_to(fn(*vals), shape).astype(np.float32)
     out = Tile.allocate(shape, _result_dtype([x for _, x in args], dtype), sbuf, call)
+    tiles = [x for _, x in args if isinstance(x, Tile)]
+    if engine == "scalar":
+        prof.scalar(shape)
+    else:
+        prof.vector(shape, len(tiles), [t.dtype for t in tiles] + [out.dtype])
     T.write(out, res, call)
     return out
 
 
 def _binary(name: str, fn):
     def op(x, y, dtype=None, mask=None, **kwargs) -> Tile:
+        _no_mask(name, mask)
         return _elementwise(name, fn, [("x", x), ("y", y)], dtype)
 
     op.__name__ = name
-    op.__doc__ = f"Elementwise ``{name}(x, y)`` -> new SBUF tile (fp32 math)."
+    op.__doc__ = f"Elementwise ``{name}(x, y)`` -> new SBUF tile (fp32 math, Vector Engine)."
     op._np = fn
     return op
 
 
-def _unary(name: str, fn):
+def _unary(name: str, fn, engine: str = "scalar"):
     def op(x, dtype=None, mask=None, **kwargs) -> Tile:
-        return _elementwise(name, fn, [("x", x)], dtype)
+        _no_mask(name, mask)
+        return _elementwise(name, fn, [("x", x)], dtype, engine)
 
     op.__name__ = name
-    op.__doc__ = f"Elementwise ``{name}(x)`` -> new SBUF tile (fp32 math)."
+    op.__doc__ = f"Elementwise ``{name}(x)`` -> new SBUF tile (fp32 math, {engine} engine)."
     op._np = fn
+    return op
+
+
+def _bitvec(name: str, fn):
+    """Bit-pattern ops on integer tiles (``nl.bitwise_and`` ...), exact on the integers."""
+
+    def op(x, y=None, dtype=None, mask=None, **kwargs) -> Tile:
+        _no_mask(name, mask)
+        xs = [v for v in (x, y) if v is not None]
+        tiles = [v for v in xs if isinstance(v, Tile)]
+        if not tiles:
+            raise rule(name, "needs at least one tile operand")
+        for t in tiles:
+            T.check_onchip(name, "x", t)
+            if T.is_float(t.dtype):
+                raise rule(name, f"bitvec op on {T.dtype_name(t.dtype)}; needs an integer dtype")
+        shape = tiles[0].shape
+        vals = [v.array.astype(np.int64) if isinstance(v, Tile) else np.int64(v) for v in xs]
+        for t in tiles:
+            if t.shape != shape:
+                raise rule(name, f"operand shapes {t.shape} and {shape} differ")
+        out = Tile.allocate(shape, tiles[0].dtype if dtype is None else dtype, sbuf, name)
+        prof.vector(shape, len(tiles), [t.dtype for t in tiles])
+        res = fn(*vals)
+        info = np.iinfo(out.dtype) if out.dtype.kind in "iu" else None
+        if info is not None:
+            res = res & ((1 << (8 * out.dtype.itemsize)) - 1)
+            res = res.astype(np.dtype(f"u{out.dtype.itemsize}")).view(out.dtype)
+        T.assign(out, np.asarray(res).astype(out.dtype))
+        return out
+
+    op.__name__ = name
+    op.__doc__ = f"Bitwise ``{name}`` of integer tiles -> new SBUF tile (Vector Engine)."
+    op._np = fn
+    op._bitvec = True
     return op
 
 
 def _f(cmp):
     return lambda a, b: cmp(a, b).astype(np.float32)
+
+
+def _gelu(a):
+    from math import sqrt
+
+    erf = np.vectorize(__import__("math").erf, otypes=[np.float64])
+    return (0.5 * a * (1.0 + erf(a / sqrt(2.0)))).astype(np.float32)
+
+
+def _erf(a):
+    erf = np.vectorize(__import__("math").erf, otypes=[np.float64])
+    return erf(a).astype(np.float32)
 
 
 add = _binary("add", np.add)
@@ -261,19 +501,60 @@ multiply = _binary("multiply", np.multiply)
 maximum = _binary("maximum", np.maximum)
 minimum = _binary("minimum", np.minimum)
 divide = _binary("divide", np.divide)
+power = _binary("power", np.power)
+fmod = _binary("fmod", np.fmod)
+mod = _binary("mod", np.mod)
+abs_max = _binary("abs_max", lambda a, b: np.where(np.abs(a) > np.abs(b), a, b))
+abs_min = _binary("abs_min", lambda a, b: np.where(np.abs(a) < np.abs(b), a, b))
 equal = _binary("equal", _f(np.equal))
 not_equal = _binary("not_equal", _f(np.not_equal))
 greater = _binary("greater", _f(np.greater))
 greater_equal = _binary("greater_equal", _f(np.greater_equal))
 less = _binary("less", _f(np.less))
 less_equal = _binary("less_equal", _f(np.less_equal))
+logical_and = _binary("logical_and", _f(lambda a, b: (a != 0) & (b != 0)))
+logical_or = _binary("logical_or", _f(lambda a, b: (a != 0) | (b != 0)))
+logical_xor = _binary("logical_xor", _f(lambda a, b: (a != 0) ^ (b != 0)))
+logical_not = _unary("logical_not", lambda a: (a == 0).astype(np.float32), "vector")
+bitwise_and = _bitvec("bitwise_and", np.bitwise_and)
+bitwise_or = _bitvec("bitwise_or", np.bitwise_or)
+bitwise_xor = _bitvec("bitwise_xor", np.bitwise_xor)
+left_shift = _bitvec("left_shift", np.left_shift)
+right_shift = _bitvec("right_shift", lambda a, b: (a & 0xFFFFFFFF) >> b)  # logical
+invert = _bitvec("invert", np.invert)
 exp = _unary("exp", np.exp)
 log = _unary("log", np.log)
-reciprocal = _unary("reciprocal", np.reciprocal)
+sqrt = _unary("sqrt", np.sqrt)
+rsqrt = _unary("rsqrt", lambda a: np.float32(1.0) / np.sqrt(a))
+square = _unary("square", np.square)
+reciprocal = _unary("reciprocal", np.reciprocal, "vector")
 negative = _unary("negative", np.negative)
 abs = _unary("abs", np.abs)  # noqa: A001
-copy = _unary("copy", lambda a: a)
-copy.__doc__ = "A copy of ``x`` as a new SBUF tile (optionally cast to ``dtype``)."
+sign = _unary("sign", np.sign)
+tanh = _unary("tanh", np.tanh)
+sigmoid = _unary("sigmoid", lambda a: np.float32(1.0) / (np.float32(1.0) + np.exp(-a)))
+silu = _unary("silu", lambda a: a / (np.float32(1.0) + np.exp(-a)))
+relu = _unary("relu", lambda a: np.maximum(a, np.float32(0.0)))
+gelu = _unary("gelu", _gelu)
+gelu_apprx_tanh = _unary(
+    "gelu_apprx_tanh",
+    lambda a: 0.5 * a * (1.0 + np.tanh(np.float32(0.7978845608) * (a + 0.044715 * a**3))),
+)
+softplus = _unary("softplus", lambda a: np.logaddexp(np.float32(0.0), a))
+erf = _unary("erf", _erf)
+sin = _unary("sin", np.sin)
+cos = _unary("cos", np.cos)
+tan = _unary("tan", np.tan)
+arctan = _unary("arctan", np.arctan)
+ceil = _unary("ceil", np.ceil, "vector")
+floor = _unary("floor", np.floor, "vector")
+trunc = _unary("trunc", np.trunc, "vector")
+bypass = _unary("bypass", lambda a: a)
+copy = _unary("copy", lambda a: a, "vector")
+copy.__doc__ = (
+    "A copy of ``x`` (SBUF or PSUM) as a new SBUF tile of the same layout, by "
+    "``tensor_copy`` on the Vector Engine: bit exact for the same dtype, else cast."
+)
 
 
 def where(condition, x, y, dtype=None, mask=None) -> Tile:
@@ -287,6 +568,34 @@ def where(condition, x, y, dtype=None, mask=None) -> Tile:
         [("condition", condition), ("x", x), ("y", y)],
         dtype,
     )
+
+
+def broadcast_to(x: Tile, shape, dtype=None) -> Tile:
+    """``x`` broadcast to ``shape`` (same rank; each dim equal or from 1) -> a new SBUF
+    tile; ``x`` itself if the shape already matches and no cast is asked for. A
+    partition-dim broadcast goes through the Tensor Engine (ones-matmul), the rest
+    through the Vector Engine."""
+    T.check_onchip("broadcast_to", "x", x)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != x.ndim:
+        raise rule("broadcast_to", f"shape {shape} must have the rank of x {x.shape}")
+    for i, (a, b) in enumerate(zip(x.shape, shape, strict=True)):
+        if a != b and a != 1:
+            raise rule("broadcast_to", f"dim {i}: {a} cannot broadcast to {b}")
+    if shape == x.shape and (dtype is None or T.as_dtype(dtype) == x.dtype):
+        return x
+    T.check_onchip_shape("broadcast_to", "result", shape)
+    out = Tile.allocate(shape, x.dtype if dtype is None else dtype, sbuf, "broadcast_to")
+    if shape[0] != x.shape[0]:
+        prof.matmul(1, shape[0], int(np.prod(shape[1:])), fp32=x.dtype == float32)
+    prof.vector(shape, 1, (x.dtype, out.dtype))
+    T.write(out, np.broadcast_to(T.read(x, "broadcast_to"), shape), "broadcast_to")
+    return out
+
+
+def expand_dims(x: Tile, axis: int) -> Tile:
+    """A view of ``x`` with a size-1 axis inserted at ``axis``."""
+    return x.expand_dim(axis)
 
 
 # -- reductions ---------------------------------------------------------------------
@@ -315,6 +624,7 @@ def _reduce(name: str, fn):
         if len(shape) < 2:
             shape = (x.shape[0], 1)
         out = Tile.allocate(shape, x.dtype if dtype is None else dtype, sbuf, name)
+        prof.vector(x.shape, 1, (x.dtype, out.dtype))
         T.write(out, res.reshape(shape), name)
         return out
 
@@ -327,6 +637,9 @@ def _reduce(name: str, fn):
 max = _reduce("max", np.max)  # noqa: A001
 min = _reduce("min", np.min)  # noqa: A001
 sum = _reduce("sum", np.sum)  # noqa: A001
+mean = _reduce("mean", np.mean)
+prod = _reduce("prod", np.prod)
+var = _reduce("var", np.var)
 
 
 # -- tensor engine -------------------------------------------------------------------
@@ -360,7 +673,8 @@ def _transposed_view(x: Tile) -> Tile:
             f"x {x.shape}: contraction dim {x.shape[1]} > {T.PMAX} (nl.tile_size.pmax)",
         )
     t = Tile.allocate((x.shape[1], x.shape[0]), x.dtype, sbuf, "matmul")
-    t.array[...] = x.array.T
+    prof.matmul(x.shape[0], x.shape[1], x.shape[0], fp32=x.dtype == float32)
+    T.assign(t, x.array.T)
     return t
 
 
@@ -374,5 +688,7 @@ def transpose(x: Tile, dtype=None, mask=None) -> Tile:
     out = Tile.allocate(
         (x.shape[1], x.shape[0]), x.dtype if dtype is None else dtype, sbuf, "transpose"
     )
+    prof.matmul(x.shape[0], x.shape[1], x.shape[0], fp32=x.dtype == float32)
+    prof.vector(out.shape, 1, (x.dtype, out.dtype))  # PSUM -> SBUF copy
     T.write(out, T.read(x).T, "transpose")
     return out

@@ -11,6 +11,7 @@ Per-partition SBUF/PSUM use is accounted per kernel launch.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -19,10 +20,28 @@ import numpy as np
 
 from kernels.nki.executor.errors import rule
 
-# dtypes are NumPy dtypes; nl.bfloat16 etc. are these objects
+# dtypes are NumPy dtypes; nl.bfloat16 etc. are these objects. fp8 types are the
+# ml_dtypes formats the SDK's own simulator stores them in (float8_e4m3 is the
+# legacy IEEE-style format with inf, max 240; float8_e4m3fn has no inf, max 448).
 float32 = np.dtype(np.float32)
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float16 = np.dtype(np.float16)
+float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)
+# tfloat32 (1S,8E,10M) is stored in 32 bits: a one-field record over float32 so it is a
+# dtype of its own; writes round the mantissa to 10 bits (nearest, ties to even).
+tfloat32 = np.dtype([("tfloat32", "<f4")])
+# x4 packed MX types: 4 fp8 values in 32 bits, 4 fp4 values in 16 bits (storage only).
+float8_e4m3fn_x4 = np.dtype([("float8_e4m3fn_x4", "<u4")])
+float8_e5m2_x4 = np.dtype([("float8_e5m2_x4", "<u4")])
+float4_e2m1fn_x4 = np.dtype([("float4_e2m1fn_x4", "<u2")])
+PACKED = {
+    float8_e4m3fn_x4: np.dtype(ml_dtypes.float8_e4m3fn),
+    float8_e5m2_x4: np.dtype(ml_dtypes.float8_e5m2),
+    float4_e2m1fn_x4: np.dtype(ml_dtypes.float4_e2m1fn),
+}
 int32 = np.dtype(np.int32)
 uint32 = np.dtype(np.uint32)
 int16 = np.dtype(np.int16)
@@ -30,12 +49,72 @@ uint16 = np.dtype(np.uint16)
 int8 = np.dtype(np.int8)
 uint8 = np.dtype(np.uint8)
 bool_ = uint8
-SUPPORTED_DTYPES = (float32, bfloat16, float16, int32, uint32, int16, uint16, int8, uint8)
+FP8 = (float8_e4m3, float8_e4m3fn, float8_e5m2)
+SUPPORTED_DTYPES = (
+    float32,
+    bfloat16,
+    float16,
+    tfloat32,
+    *FP8,
+    float8_e8m0fnu,
+    *PACKED,
+    int32,
+    uint32,
+    int16,
+    uint16,
+    int8,
+    uint8,
+)
+DTYPE_NAMES = {
+    d: n
+    for n, d in (
+        ("float32", float32),
+        ("bfloat16", bfloat16),
+        ("float16", float16),
+        ("tfloat32", tfloat32),
+        ("float8_e4m3", float8_e4m3),
+        ("float8_e4m3fn", float8_e4m3fn),
+        ("float8_e5m2", float8_e5m2),
+        ("float8_e8m0fnu", float8_e8m0fnu),
+        ("float8_e4m3fn_x4", float8_e4m3fn_x4),
+        ("float8_e5m2_x4", float8_e5m2_x4),
+        ("float4_e2m1fn_x4", float4_e2m1fn_x4),
+        ("int32", int32),
+        ("uint32", uint32),
+        ("int16", int16),
+        ("uint16", uint16),
+        ("int8", int8),
+        ("uint8", uint8),
+    )
+}
+
+FLOATS = (float32, bfloat16, float16, tfloat32, *FP8, float8_e8m0fnu)
 
 PMAX = 128
 PSUM_TILE_BYTES = 2 * 1024  # one PSUM bank per partition
 PSUM_PARTITION_BYTES = 16 * 1024  # 8 banks
-SBUF_PARTITION_BYTES = 192 * 1024  # trn1/trn2: 24 MiB / 128 partitions
+# SBUF per partition: 192 KiB on NeuronCore-v2 (24 MiB), 224 KiB on v3 (28 MiB, Trn2 guide).
+SBUF_PARTITION_BYTES_BY_VERSION = {2: 192 * 1024, 3: 224 * 1024, 4: 224 * 1024}
+SBUF_PARTITION_BYTES = SBUF_PARTITION_BYTES_BY_VERSION[3]
+
+# PSUM accumulation state of every byte (see nisa.nc_matmul's ``accumulate``)
+PSUM_FRESH, PSUM_MATMUL, PSUM_OTHER = 0, 1, 2
+
+_TARGETS = {"trn1": 2, "inf2": 2, "gen2": 2, "trn2": 3, "gen3": 3, "trn3": 4, "gen4": 4}
+
+
+def target_version() -> int:
+    """NeuronCore generation the executor models: ``NEURON_PLATFORM_TARGET_OVERRIDE``
+    (``trn1|inf2|gen2``, ``trn2|gen3``, ``trn3|gen4``, as in the SDK), default Trn2 (3)."""
+    value = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").strip().lower()
+    if not value:
+        return 3
+    if value not in _TARGETS:
+        raise rule(
+            "NEURON_PLATFORM_TARGET_OVERRIDE",
+            f"unknown target {value!r}; one of {sorted(_TARGETS)}",
+        )
+    return _TARGETS[value]
 
 
 class Buffer(str):
@@ -55,7 +134,8 @@ BUFFERS = {b: b for b in (sbuf, psum, hbm, shared_hbm, private_hbm)}
 
 
 class LaunchContext:
-    """Per-launch state: on-chip memory use, grid position, shared outputs, registers."""
+    """Per-launch state: on-chip memory use, grid position, shared outputs, registers,
+    the NeuronCore generation modelled."""
 
     def __init__(self, grid: tuple[int, ...] = (1,)):
         self.grid = grid
@@ -64,6 +144,8 @@ class LaunchContext:
         self.shared: list[Tile] = []
         self.shared_pos = 0
         self.act_regs = np.zeros(PMAX, dtype=np.float32)
+        self.nc_version = target_version()
+        self.sbuf_limit = SBUF_PARTITION_BYTES_BY_VERSION[self.nc_version]
 
 
 _CTX = [LaunchContext()]
@@ -86,28 +168,43 @@ def as_dtype(dtype: Any) -> np.dtype:
     return d
 
 
+def dtype_name(dtype: np.dtype) -> str:
+    return DTYPE_NAMES.get(np.dtype(dtype), str(dtype))
+
+
 def partition_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
 
 
 def is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype == bfloat16
+    return np.dtype(dtype) in FLOATS
 
 
-def _fill_value(dtype: np.dtype):
-    return np.nan if is_float(dtype) else np.iinfo(dtype).max
+def _fill(array: np.ndarray, fill: Any) -> None:
+    d = array.dtype
+    if d in PACKED:
+        bits = array.view(np.dtype(f"u{d.itemsize}"))
+        bits[...] = np.iinfo(bits.dtype).max if fill is None else int(fill)
+    elif d == tfloat32:
+        array.view(np.float32)[...] = np.nan if fill is None else fill
+    elif fill is None:  # new memory reads as NaN (floats) / dtype max (ints)
+        array[...] = np.nan if is_float(d) else np.iinfo(d).max
+    else:
+        array[...] = fill
 
 
 class _Storage:
-    """One allocation; frees its on-chip bytes when the last view goes away."""
+    """One allocation; frees its on-chip bytes when the last view goes away. PSUM
+    storages carry one accumulation-state byte per data byte."""
 
     def __init__(self, array: np.ndarray, buffer: Buffer, call: str):
         self.array = array
         self.buffer = buffer
+        self.acc = np.zeros(array.nbytes, np.uint8) if buffer == "psum" else None
         if buffer.on_chip:
             context = ctx()
             nbytes = partition_bytes(array.shape, array.dtype)
-            limit = SBUF_PARTITION_BYTES if buffer == "sbuf" else PSUM_PARTITION_BYTES
+            limit = context.sbuf_limit if buffer == "sbuf" else PSUM_PARTITION_BYTES
             if context.used[buffer] + nbytes > limit:
                 raise rule(
                     call,
@@ -119,24 +216,33 @@ class _Storage:
             weakref.finalize(self, _release, context, str(buffer), nbytes)
 
 
-class Tile:
-    """An NKI tensor: a view of a storage in one buffer.
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
-    Attributes: ``shape``, ``dtype`` (NumPy dtype), ``buffer``, ``ndim``.
-    Indexing with ints, slices and ``nl.ds`` returns views; ``reshape`` too.
+
+class Tile:
+    """An NKI tensor (``nl.NkiTensor``): a view of a storage in one buffer.
+
+    Attributes: ``shape``, ``dtype`` (NumPy dtype), ``buffer``, ``ndim``, ``size``,
+    ``strides`` / ``offset`` (in elements of the storage), ``name``. Indexing with
+    ints (negative too), slices (with steps), ``nl.ds`` and old-API ``nl.arange``
+    index expressions returns views; so do ``reshape``, ``ap``, ``view``, ``permute``,
+    ``broadcast``, ``expand_dim``, ``squeeze_dim``, ``reshape_dim``, ``flatten_dims``,
+    ``slice`` and ``select``.
     """
 
-    __slots__ = ("_storage", "array", "buffer", "__weakref__")
+    __slots__ = ("_storage", "array", "buffer", "name", "__weakref__")
 
-    def __init__(self, storage: _Storage, array: np.ndarray):
+    def __init__(self, storage: _Storage, array: np.ndarray, name: str = ""):
         self._storage = storage
         self.array = array
         self.buffer = storage.buffer
+        self.name = name
 
     # -- construction -------------------------------------------------------
     @classmethod
     def allocate(
-        cls, shape, dtype, buffer: Buffer, call: str = "ndarray", fill: Any = None
+        cls, shape, dtype, buffer: Buffer, call: str = "ndarray", fill: Any = None, name: str = ""
     ) -> Tile:
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         dtype = as_dtype(dtype)
@@ -150,13 +256,13 @@ class Tile:
             if buffer == "psum" and partition_bytes(shape, dtype) > PSUM_TILE_BYTES:
                 raise rule(
                     call,
-                    f"PSUM tile {shape} {dtype} holds {partition_bytes(shape, dtype)} B per "
-                    f"partition > {PSUM_TILE_BYTES} B (one 2 KiB PSUM bank)",
+                    f"PSUM tile {shape} {dtype_name(dtype)} holds "
+                    f"{partition_bytes(shape, dtype)} B per partition > {PSUM_TILE_BYTES} B "
+                    "(one 2 KiB PSUM bank)",
                 )
-        if fill is None:  # new memory reads as NaN (floats) / dtype max (ints)
-            fill = _fill_value(dtype)
-        array = np.full(shape, fill, dtype)
-        return cls(_Storage(array, buffer, call), array)
+        array = np.empty(shape, dtype)
+        _fill(array, fill)
+        return cls(_Storage(array, buffer, call), array, name)
 
     @classmethod
     def wrap(cls, array: np.ndarray, buffer: Buffer = hbm) -> Tile:
@@ -175,8 +281,25 @@ class Tile:
     def ndim(self) -> int:
         return self.array.ndim
 
+    @property
+    def size(self) -> int:
+        return int(self.array.size)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Element strides of the view (NumPy's byte strides / itemsize)."""
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    @property
+    def offset(self) -> int:
+        """Element offset of the view's first element in its storage."""
+        return (_addr(self.array) - _addr(self._storage.array)) // self.array.itemsize
+
     def __repr__(self) -> str:
-        return f"Tile(shape={self.shape}, dtype={self.dtype}, buffer={self.buffer})"
+        return f"Tile(shape={self.shape}, dtype={dtype_name(self.dtype)}, buffer={self.buffer})"
+
+    def _view(self, array: np.ndarray) -> Tile:
+        return Tile(self._storage, array, self.name)
 
     # -- data-dependent control flow cannot compile ---------------------------
     def _no_value(self, what: str):
@@ -219,36 +342,39 @@ class Tile:
             size = self.shape[axis]
             if isinstance(k, DynSlice):
                 k = slice(k.start, k.start + k.size)
+            elif hasattr(k, "as_slice"):  # old-API nl.arange / nl.mgrid index expression
+                k = k.as_slice(axis)
             if isinstance(k, Tile):
                 k.__index__()
             if isinstance(k, slice):
-                if k.step not in (None, 1):
-                    raise rule("index", f"axis {axis}: strided slices (step {k.step}) unsupported")
+                step = 1 if k.step is None else int(k.step)
+                if step < 1:
+                    raise rule("index", f"axis {axis}: slice step {step} must be >= 1")
                 start = 0 if k.start is None else int(k.start)
                 stop = size if k.stop is None else int(k.stop)
+                start = start + size if start < 0 else start
+                stop = stop + size if stop < 0 else stop
                 if not 0 <= start < stop <= size:
                     raise rule(
                         "index",
                         f"axis {axis}: slice {start}:{stop} is empty or outside [0, {size}) "
                         f"of tensor {self.shape}",
                     )
-                out.append(slice(start, stop))
+                out.append(slice(start, stop, step))
             else:
                 i = int(k)
+                i = i + size if i < 0 else i
                 if not 0 <= i < size:
-                    raise rule("index", f"axis {axis}: index {i} outside [0, {size})")
-                out.append(i)
+                    raise rule("index", f"axis {axis}: index {int(k)} outside [0, {size})")
+                # on chip an integer on the partition axis keeps a size-1 partition dim
+                out.append(slice(i, i + 1) if axis == 0 and self.buffer.on_chip else i)
         return tuple(out)
 
     def __getitem__(self, key) -> Tile:
         view = self.array[self._key(key)]
         if self.buffer.on_chip and view.ndim < 2:
-            raise rule(
-                "index",
-                f"indexing {self!r} with {key!r} leaves a {view.ndim}-d on-chip tile; "
-                "SBUF/PSUM tiles need a partition axis and a free axis (slice, don't index)",
-            )
-        return Tile(self._storage, view)
+            view = view.reshape(view.shape[0], 1)  # on-chip views are at least 2-d
+        return self._view(view)
 
     def __setitem__(self, key, value) -> None:
         dst = self[key]
@@ -260,23 +386,192 @@ class Tile:
         else:
             write(dst, np.full(dst.shape, float(value), np.float32), "setitem")
 
+    def _check_partition_kept(self, call: str, shape: tuple[int, ...]) -> None:
+        if self.buffer.on_chip:
+            check_onchip_shape(call, "tile", shape)
+            if shape[0] != self.shape[0]:
+                raise rule(
+                    call,
+                    f"on-chip {call} must keep the partition dim {self.shape[0]}, got {shape}",
+                )
+
     def reshape(self, shape) -> Tile:
         shape = tuple(int(s) for s in shape)
         if int(np.prod(shape)) != self.array.size:
             raise rule("reshape", f"cannot reshape {self.shape} to {shape}")
-        if self.buffer.on_chip:
-            check_onchip_shape("reshape", "tile", shape)
-            if shape[0] != self.shape[0]:
-                raise rule(
-                    "reshape",
-                    f"on-chip reshape must keep the partition dim {self.shape[0]}, got {shape}",
-                )
+        self._check_partition_kept("reshape", shape)
         view = self.array.view()
         try:
             view.shape = shape
         except AttributeError as exc:
             raise rule("reshape", f"{self!r} is not contiguous; cannot view as {shape}") from exc
-        return Tile(self._storage, view)
+        return self._view(view)
+
+    def ap(
+        self,
+        pattern,
+        offset: int | None = None,
+        scalar_offset: Tile | None = None,
+        vector_offset: Tile | None = None,
+        indirect_dim: int = 0,
+        dtype=None,
+    ) -> Tile:
+        """An explicit access pattern ``[[stride, count], ...]`` (elements) over the
+        storage, from the view's offset (+ ``offset``, + ``scalar_offset`` times the
+        stride of ``indirect_dim``); ``dtype`` reinterprets the storage bytes."""
+        base = self._storage.array
+        if not base.flags.c_contiguous:
+            raise rule("ap", f"the storage of {self!r} is not contiguous")
+        flat = base.reshape(-1)
+        if dtype is not None:
+            new = as_dtype(dtype)
+            if flat.nbytes % new.itemsize:
+                raise rule("ap", f"storage of {flat.nbytes} B is no whole number of {new}")
+            flat = flat.view(np.uint8).view(new)
+        item = flat.itemsize
+        pat = [(int(s), int(n)) for s, n in pattern]
+        if not pat or any(n < 1 for _, n in pat):
+            raise rule("ap", f"pattern {pattern} needs >= 1 [stride, count] pairs, counts >= 1")
+        start = (_addr(self.array) - _addr(base)) // item + (0 if offset is None else int(offset))
+        if vector_offset is not None:
+            raise rule("ap", "vector_offset (per-partition indirect DMA) is not modelled")
+        if scalar_offset is not None:
+            if not 0 <= indirect_dim < len(pat):
+                raise rule("ap", f"indirect_dim {indirect_dim} outside the pattern")
+            idx = read(scalar_offset).reshape(-1)[0]
+            start += int(idx) * pat[indirect_dim][0]
+        lo = start + sum(min(0, (n - 1) * s) for s, n in pat)
+        hi = start + sum(max(0, (n - 1) * s) for s, n in pat)
+        if lo < 0 or hi >= flat.size:
+            raise rule(
+                "ap",
+                f"pattern {pattern} from element {start} reaches [{lo}, {hi}], outside the "
+                f"{flat.size} elements of the storage",
+            )
+        if self.buffer.on_chip:
+            row = flat.size // base.shape[0]
+            reach = sum(abs(s) * (n - 1) for s, n in pat[1:])
+            if pat[0][0] % row or (start % row) + reach >= row or len(pat) < 2:
+                raise rule(
+                    "ap",
+                    f"on-chip pattern {pattern}: the first pair must step whole partitions "
+                    f"(stride multiple of {row}) and the others stay inside one partition",
+                )
+        view = np.lib.stride_tricks.as_strided(
+            flat[start:], shape=[n for _, n in pat], strides=[s * item for s, _ in pat]
+        )
+        return self._view(view)
+
+    def get_pattern(self) -> list[list[int]]:
+        """The view's access pattern ``[[stride, count], ...]`` in elements."""
+        return [[s, n] for s, n in zip(self.strides, self.shape, strict=True)]
+
+    def is_contiguous(self) -> bool:
+        """Free dims (and for HBM the partition dim too) cover storage row-major."""
+        first = 1 if self.buffer.on_chip else 0
+        expect = 1
+        for s, n in reversed(list(zip(self.strides, self.shape, strict=True))[first:]):
+            if n != 1 and s != expect:
+                return False
+            expect *= n
+        return True
+
+    def is_indirect(self) -> bool:
+        return False
+
+    def view(self, dtype) -> Tile:
+        """Reinterpret the bytes as ``dtype`` (last dim scaled by the size ratio)."""
+        new = as_dtype(dtype)
+        try:
+            arr = self.array.view(new)
+        except ValueError as exc:
+            raise rule("view", f"{self!r} as {dtype_name(new)}: {exc}") from exc
+        return self._view(arr)
+
+    reinterpret_cast = view
+
+    def _dim(self, call: str, dim: int, allow_partition: bool = False) -> int:
+        nd = self.ndim
+        if not -nd <= dim < nd:
+            raise rule(call, f"dim {dim} outside the {nd}-d tensor {self.shape}")
+        dim %= nd
+        if dim == 0 and self.buffer.on_chip and not allow_partition:
+            raise rule(call, f"on-chip tensors keep their partition dim 0 ({self!r})")
+        return dim
+
+    def permute(self, dims) -> Tile:
+        dims = tuple(int(d) for d in dims)
+        if sorted(dims) != list(range(self.ndim)):
+            raise rule("permute", f"{dims} is not a permutation of {self.ndim} dims")
+        if self.buffer.on_chip and dims[0] != 0:
+            raise rule("permute", f"on-chip tensors keep the partition dim first, got {dims}")
+        return self._view(self.array.transpose(dims))
+
+    def broadcast(self, dim: int, size: int) -> Tile:
+        dim = self._dim("broadcast", dim)
+        if self.shape[dim] != 1:
+            raise rule("broadcast", f"dim {dim} of {self.shape} has size {self.shape[dim]} != 1")
+        shape = list(self.shape)
+        shape[dim] = int(size)
+        strides = list(self.array.strides)
+        strides[dim] = 0
+        arr = np.lib.stride_tricks.as_strided(self.array, shape, strides, writeable=False)
+        return self._view(arr)
+
+    def expand_dim(self, dim: int) -> Tile:
+        if not 0 <= dim <= self.ndim or (dim == 0 and self.buffer.on_chip):
+            raise rule("expand_dim", f"cannot insert a dim at {dim} of {self!r}")
+        return self._view(np.expand_dims(self.array, dim))
+
+    def squeeze_dim(self, dim: int) -> Tile:
+        dim = self._dim("squeeze_dim", dim)
+        if self.shape[dim] != 1:
+            raise rule("squeeze_dim", f"dim {dim} of {self.shape} is not 1")
+        return self._view(np.squeeze(self.array, dim))
+
+    def reshape_dim(self, dim: int, shape) -> Tile:
+        shape = [int(s) for s in shape]
+        dim = self._dim("reshape_dim", dim, allow_partition=len(shape) == 1)
+        if shape.count(-1) == 1:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape[shape.index(-1)] = self.shape[dim] // max(known, 1)
+        if int(np.prod(shape)) != self.shape[dim]:
+            raise rule("reshape_dim", f"{shape} does not split dim {dim} of {self.shape}")
+        new = self.shape[:dim] + tuple(shape) + self.shape[dim + 1 :]
+        return self._view(self.array.reshape(new))
+
+    def flatten_dims(self, start_dim: int, end_dim: int) -> Tile:
+        start = self._dim("flatten_dims", start_dim)
+        end = self._dim("flatten_dims", end_dim, allow_partition=True)
+        if end < start:
+            raise rule("flatten_dims", f"end_dim {end_dim} < start_dim {start_dim}")
+        new = (
+            self.shape[:start]
+            + (int(np.prod(self.shape[start : end + 1])),)
+            + self.shape[end + 1 :]
+        )
+        view = self.array.view()
+        try:
+            view.shape = new
+        except AttributeError as exc:
+            raise rule(
+                "flatten_dims", f"dims {start}..{end} of {self!r} are not contiguous"
+            ) from exc
+        return self._view(view)
+
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> Tile:
+        dim = self._dim("slice", dim, allow_partition=True)
+        key = [slice(None)] * self.ndim
+        key[dim] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim: int, index) -> Tile:
+        dim = self._dim("select", dim, allow_partition=not self.buffer.on_chip)
+        if isinstance(index, Tile):  # dynamic: the executor reads the index now
+            index = int(read(index).reshape(-1)[0])
+        key: list[Any] = [slice(None)] * self.ndim
+        key[dim] = int(index)
+        return self[tuple(key)]
 
 
 class DynSlice:
@@ -314,24 +609,87 @@ def check_onchip(call: str, name: str, t: Any) -> Tile:
     return t
 
 
-def read(t: Tile) -> np.ndarray:
+def _packed(call: str, t: Tile) -> None:
+    raise rule(
+        call,
+        f"{dtype_name(t.dtype)} is a packed MX dtype: only copies, memset(0) and .view() "
+        "handle it here (nc_matmul_mx / quantize_mx are not modelled)",
+    )
+
+
+def read(t: Tile, call: str = "read") -> np.ndarray:
     """The tile's values as float32 (how the engines compute)."""
+    if t.dtype in PACKED:
+        _packed(call, t)
+    if t.dtype == tfloat32:
+        return t.array.view(np.float32).astype(np.float32)
     return t.array.astype(np.float32)
 
 
-def write(dst: Tile, values: np.ndarray, call: str) -> None:
+def round_tf32(values: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest tfloat32 (10 mantissa bits, ties to even), as float32."""
+    v = np.ascontiguousarray(values, np.float32)
+    bits = v.view(np.uint32).astype(np.uint64)
+    lsb = (bits >> 13) & 1
+    rounded = ((bits + 0xFFF + lsb) & ~np.uint64(0x1FFF)).astype(np.uint32).view(np.float32)
+    return np.where(np.isfinite(v), rounded, v)
+
+
+def acc_bytes(t: Tile) -> np.ndarray:
+    """The PSUM accumulation-state bytes of a view: shape ``t.shape + (itemsize,)``."""
+    st = t._storage
+    off = _addr(t.array) - _addr(st.array)
+    return np.lib.stride_tricks.as_strided(
+        st.acc[off:],
+        shape=t.array.shape + (t.array.itemsize,),
+        strides=t.array.strides + (1,),
+    )
+
+
+def mark(dst: Tile, state: int, where: np.ndarray | None = None) -> None:
+    """Record who last wrote ``dst`` (PSUM only): a matmul or another instruction."""
+    if dst._storage.acc is None:
+        return
+    view = acc_bytes(dst)
+    if where is None:
+        view[...] = state
+    else:
+        view[np.broadcast_to(where, dst.shape)] = state
+
+
+def acc_state(t: Tile) -> np.ndarray:
+    """Per-element PSUM state (``PSUM_FRESH`` / ``PSUM_MATMUL`` / ``PSUM_OTHER``)."""
+    return acc_bytes(t)[..., 0]
+
+
+def assign(dst: Tile, values: np.ndarray, state: int = PSUM_OTHER) -> None:
+    """Bit-exact write of values already in ``dst.dtype``."""
+    dst.array[...] = values
+    mark(dst, state)
+
+
+def write(dst: Tile, values: np.ndarray, call: str, state: int = PSUM_OTHER) -> None:
     """Write ``values`` into ``dst``, rounding to its dtype (shape must hold the same
-    elements per partition)."""
+    elements per partition). Floats round to nearest-even (``ml_dtypes``); float to
+    integer rounds to nearest-even and saturates (NaN -> 0)."""
     values = np.asarray(values)
+    if dst.dtype in PACKED:
+        _packed(call, dst)
     if values.shape != dst.shape:
         same_p = values.ndim >= 1 and dst.ndim >= 1 and values.shape[0] == dst.shape[0]
         if same_p and values.size == dst.array.size:
             values = values.reshape(dst.shape)
         else:
             raise rule(call, f"result shape {values.shape} does not fit dst {dst.shape}")
-    if dst.dtype.kind in "iu" and values.dtype.kind == "f":
-        info = np.iinfo(dst.dtype)
-        with np.errstate(invalid="ignore"):
-            values = np.clip(np.rint(values), info.min, info.max)
-        values = np.nan_to_num(values, nan=0.0)
-    dst.array[...] = values.astype(dst.dtype)
+    if dst.dtype == tfloat32:
+        dst.array.view(np.float32)[...] = round_tf32(values.astype(np.float32))
+    elif dst.dtype.kind in "iu" and not is_float(dst.dtype):
+        if values.dtype.kind == "f" or is_float(values.dtype):
+            info = np.iinfo(dst.dtype)
+            with np.errstate(invalid="ignore"):
+                v = np.clip(np.rint(values.astype(np.float64)), info.min, info.max)
+            values = np.nan_to_num(v, nan=0.0)
+        dst.array[...] = values.astype(dst.dtype)
+    else:
+        dst.array[...] = values.astype(np.float32).astype(dst.dtype)
+    mark(dst, state)
