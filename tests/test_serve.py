@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import tree_dev.server as server
+from tests.factories import tiny_llama
 from tree_dev.server import app as server_app
 from tree_dev.server import config, gates, protocol, worker
 
@@ -53,22 +54,9 @@ def tokenizer():
 
 
 def _tiny_target(vocab: int, eos: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=eos,
-        bos_token_id=eos,
-        pad_token_id=eos,
+    return tiny_llama(
+        seed, vocab=vocab, hidden=64, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")

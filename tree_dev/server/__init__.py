@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg.max_model_len,
     )
     if cfg.engine == "vllm":
-        from tree_dev.server.vllm_front import exec_vllm, vllm_command
+        from tree_dev.server.vllm_front import exec_vllm, for_vllm, vllm_command
 
+        cfg = for_vllm(cfg)  # a project EAGLE head -> its vLLM export
         log.info("exec %s", " ".join(vllm_command(cfg)))
         exec_vllm(cfg)
         return

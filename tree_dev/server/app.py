@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tree_dev.server.config import DEFAULT_MODEL_SET, ServeConfig
+from tree_dev.server.config import DEFAULT_MODEL_SET, PLAIN_CHAT_TEMPLATE, ServeConfig
 from tree_dev.server.protocol import (
     APIError,
     ChatMessage,
@@ -32,9 +32,6 @@ from tree_dev.server.protocol import (
 from tree_dev.server.worker import EngineWorker, Job, Metrics
 
 DISCONNECT_POLL_S = 0.5  # how often a handler asks whether its client is still there
-#: The chat format used when the tokenizer has no chat template (see docs/serve.md).
-PLAIN_CHAT_FORMAT = "{role}: {content}\n"
-PLAIN_CHAT_GENERATION_PROMPT = "assistant:"
 
 
 class TextAssembler:
@@ -238,7 +235,7 @@ class Server:
         return await self._respond(body, request, list(ids), params, chat=False)
 
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
-        """The tokenizer's chat template, else ``PLAIN_CHAT_FORMAT`` per message."""
+        """The tokenizer's chat template, else ``PLAIN_CHAT_TEMPLATE`` (vLLM gets the same)."""
         msgs = []
         for m in messages:
             content = m.content
@@ -249,11 +246,10 @@ class Server:
             msgs.append({"role": m.role, "content": content or ""})
         if not msgs:
             raise APIError(400, "messages is empty", param="messages")
-        if getattr(self.tok, "chat_template", None):
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "".join(PLAIN_CHAT_FORMAT.format(**m) for m in msgs)
-            text += PLAIN_CHAT_GENERATION_PROMPT
+        template = getattr(self.tok, "chat_template", None) or PLAIN_CHAT_TEMPLATE
+        text = self.tok.apply_chat_template(
+            msgs, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
         return self.tok.encode(text, add_special_tokens=False)
 
     async def chat(self, body: ChatRequest, request: Request):

@@ -49,6 +49,13 @@ SGLANG_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle", "STANDALONE": "draft",
 #: ASGI middleware (an import path) that vLLM's server loads to describe the policy.
 VLLM_MODELS_MIDDLEWARE = "tree_dev.server.vllm_front.treespec_models"
 
+#: The chat template of a tokenizer without one (the tiny stdlib tokenizer), in both
+#: engines: every message as ``"{role}: {content}\n"``, then ``"assistant:"``.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 log = logging.getLogger("treespec.serve")
 
 
@@ -256,7 +263,7 @@ def draft_budget(spec: str) -> int:
     """Draft nodes of a tree spec (its root excluded): vLLM's ``num_speculative_tokens``."""
     from tree_dev.spec import parse_tree_spec
 
-    return parse_tree_spec(spec).max_nodes - 1
+    return parse_tree_spec(spec).draft_budget
 
 
 def max_position_embeddings(model_dir: Path) -> int | None:
@@ -528,8 +535,8 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
             drafter = (kind, None if kind == "ngram" else model / kind)
         if drafter is None and tree != "none":
             has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
-            if engine == "vllm":  # vLLM loads a draft LM as it is; EAGLE heads need export
-                use_draft = has_draft
+            if engine == "vllm":  # the EAGLE head, exported for vLLM at start-up
+                use_draft = has_draft and not has_eagle
             else:
                 use_draft = has_draft and (
                     not has_eagle or (tree is None and read_best_drafter() == "draft")
@@ -608,6 +615,17 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
 
 
 # --------------------------------------------------------------------------- vLLM
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether a tokenizer directory defines a chat template (config key or .jinja file)."""
+    d = Path(tokenizer_dir)
+    if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((d / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 def _has_tokenizer(path: Path) -> bool:
     return any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
 
@@ -661,10 +679,14 @@ def vllm_argv(cfg: ServeConfig) -> list[str]:
         "--middleware",
         VLLM_MODELS_MIDDLEWARE,
     ]
+    tok_dir = cfg.model
     if cfg.tokenizer is not None and not _has_tokenizer(cfg.model):
         # vLLM reads a tokenizer directory's config.json too: a target that holds its
         # tokenizer is given alone (the model set's tokenizer/ has no config.json)
         argv += ["--tokenizer", str(cfg.tokenizer)]
+        tok_dir = cfg.tokenizer
+    if not has_chat_template(tok_dir):
+        argv += ["--chat-template", PLAIN_CHAT_TEMPLATE]
     sc = vllm_speculative_config(cfg)
     if sc is not None:
         argv += ["--speculative-config", json.dumps(sc)]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
@@ -25,6 +27,26 @@ from tree_dev.server.config import ServeConfig, vllm_argv
 
 INFO_ENV = "TREESPEC_SERVE_INFO"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def is_project_eagle_head(path: Path | None) -> bool:
+    """Whether ``path`` holds the project's EAGLE head format (``config.json`` key ``eagle``)."""
+    try:
+        return "eagle" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, TypeError, json.JSONDecodeError):
+        return False
+
+
+def for_vllm(cfg: ServeConfig) -> ServeConfig:
+    """``cfg`` with a project-format EAGLE head replaced by its vLLM export (cached).
+
+    ``tree_dev.models.export_vllm`` writes it under ``results/vllm_eagle/<digest>/``.
+    """
+    if cfg.drafter != "eagle" or not is_project_eagle_head(cfg.drafter_path):
+        return cfg
+    from tree_dev.models.export_vllm import export_eagle_for_vllm
+
+    return replace(cfg, drafter_path=export_eagle_for_vllm(head_dir=cfg.drafter_path))
 
 
 def vllm_command(cfg: ServeConfig) -> list[str]:
@@ -41,6 +63,7 @@ def vllm_env(cfg: ServeConfig, base: dict[str, str] | None = None) -> dict[str, 
 
 def exec_vllm(cfg: ServeConfig) -> None:
     """Replace this process with vLLM's OpenAI server for ``cfg`` (never returns)."""
+    cfg = for_vllm(cfg)
     cmd = vllm_command(cfg)
     sys.stdout.flush()
     sys.stderr.flush()
