@@ -357,7 +357,7 @@ def nc_transpose(dst: Tile, data: Tile, engine: engine = engine.unknown, name=No
 # -- copies -------------------------------------------------------------------------
 
 
-@_dst_first(lambda a: a.get("src") is None, _like("dst"))
+@_dst_first(lambda a: a.get("src") is None, _like("src"))
 def tensor_copy(dst: Tile, src: Tile, engine: engine = engine.unknown, name=None) -> None:
     """``dst = src`` (bit exact for equal dtypes, else through fp32) on the Vector,
     Scalar or GpSimd Engine (GpSimd cannot access PSUM; Scalar only from v3 on)."""
@@ -814,7 +814,7 @@ def scalar_tensor_tensor(
     _write_flat(dst, x, c)
 
 
-@_dst_first(lambda a: a.get("data") is None, _like("dst"))
+@_dst_first(lambda a: a.get("data") is None, _like("data"))
 def reciprocal(dst: Tile, data: Tile, name=None) -> None:
     """``dst = 1 / data`` on the Vector Engine (fp32 math; SBUF or PSUM)."""
     c = "reciprocal"

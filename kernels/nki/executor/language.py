@@ -137,7 +137,16 @@ class IndexExpr:
     __rmul__ = __mul__
 
     def as_slice(self, axis: int) -> slice:
-        flat = self.values.reshape(-1)
+        v = self.values
+        varying = [a for a in range(v.ndim) if not np.all(v == v.take([0], axis=a))]
+        if len(varying) > 1:
+            raise rule("index", f"axis {axis}: index expression varies along several axes")
+        if varying:
+            idx: list = [0] * v.ndim
+            idx[varying[0]] = slice(None)
+            flat = v[tuple(idx)].reshape(-1)
+        else:
+            flat = v.reshape(-1)
         if flat.size == 1:
             return slice(int(flat[0]), int(flat[0]) + 1)
         step = int(flat[1] - flat[0])
