@@ -23,6 +23,7 @@ import torch
 
 import tree_dev.server as server
 from tests.factories import tiny_llama
+from tests.test_serve_helpers import Good, mixed_traffic
 from tree_dev.server import app as server_app
 from tree_dev.server import config, gates, protocol, worker
 
@@ -769,3 +770,114 @@ def test_serve_py_command_line_with_eagle_model_set(tmp_path, models, tokenizer)
         proc.terminate()
         out = proc.communicate(timeout=30)[0]
     assert "gate 'verify' FAILED" in out and "gate 'serve' never ran" in out, out
+
+
+# --------------------------------------------------------------------------- mixed traffic
+def test_bad_requests_under_16_clients(srv, offline, tokenizer):
+    """Good and bad requests mixed, 16 clients: every answer is its own (both engines
+    run this check: tests/test_serve_vllm.py)."""
+    goods = []
+    for i in range(8):
+        prompt = tokenizer.encode(TEXTS[i % 4] * (1 + i % 2))[: 6 + 3 * i]
+        goods.append(Good(prompt, offline(prompt, 8 + 2 * (i % 4))))
+    counts = mixed_traffic(srv.base, "tiny", goods, MAX_LEN, clients=16)
+    assert counts["bad"] == 16 and counts["disconnected"] == 4
+    _wait_idle(srv)
+    assert srv.app.state.metrics.requests.get("abort", 0) >= 4  # the abandoned streams
+
+
+# --------------------------------------------------------------------------- vLLM flags
+def _vllm(*argv: str):
+    return config.resolve_config(["--engine", "vllm", *argv])
+
+
+def _arg(cmd: list[str], flag: str):
+    return json.loads(cmd[cmd.index(flag) + 1]) if flag in cmd else None
+
+
+def test_vllm_mapping_chain_tree_ngram(tmp_path):
+    for sub in ("target", "eagle", "draft", "tokenizer"):
+        (tmp_path / sub).mkdir()
+    d = str(tmp_path / "draft")
+    cmd = config.vllm_argv(_vllm("--model", str(tmp_path), "--draft-model", d, "--tree", "chain:4"))
+    assert _arg(cmd, "--speculative-config") == {
+        "method": "draft_model",
+        "model": d,
+        "num_speculative_tokens": 4,
+    }
+    assert _arg(cmd, "--additional-config") is None
+    assert "--chat-template" in cmd  # the empty tokenizer dir has none: the plain one
+    tree = "topk:k=2,depth=3,budget=6"
+    c = _vllm("--model", str(tmp_path), "--tree", tree)  # a model set: its EAGLE head
+    cmd = config.vllm_argv(c)
+    assert _arg(cmd, "--speculative-config") == {
+        "method": "eagle",
+        "model": str(tmp_path / "eagle"),
+        "num_speculative_tokens": 6,
+    }
+    assert _arg(cmd, "--additional-config") == {"treespec": {"tree": tree}}
+    # vLLM's own words give the same config
+    sc = json.dumps({"method": "eagle", "model": str(tmp_path / "eagle")})
+    ac = json.dumps({"treespec": {"tree": tree}})
+    c2 = _vllm("--model", str(tmp_path), "--speculative-config", sc, "--additional-config", ac)
+    assert config.vllm_argv(c2) == cmd
+    # n-gram: vLLM's chain, and the plugin's trie (no model, in either engine)
+    c = _vllm(
+        "--model",
+        str(tmp_path),
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+    )
+    assert (c.tree, c.drafter, c.drafter_path) == ("chain:3", "ngram", None)
+    assert _arg(config.vllm_argv(c), "--speculative-config") == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+    }
+    c = _vllm("--model", str(tmp_path), "--tree", "ngram:budget=5")
+    assert c.drafter == "ngram"
+    cmd = config.vllm_argv(c)
+    assert _arg(cmd, "--speculative-config")["num_speculative_tokens"] == 5
+    assert _cfg("--model", str(tmp_path), "--tree", "ngram:budget=5").drafter == "ngram"
+    # --tree none: no speculation at all; words after -- go to vLLM last
+    cmd = config.vllm_argv(_vllm("--model", str(tmp_path), "--tree", "none", "--", "--seed", "3"))
+    assert "--speculative-config" not in cmd and cmd[-2:] == ["--seed", "3"]
+
+
+def test_vllm_defaults_serve_the_committed_set():
+    c = _vllm()
+    assert c.model == config.DEFAULT_MODEL_SET / "target" and c.max_model_len == 512
+    assert c.served_model_name == "stdlib-v1" and c.engine == "vllm"
+    kind, tree, _ = config.read_best_vllm_policy()
+    assert (c.drafter, c.tree) == (kind, tree)
+
+
+@pytest.mark.parametrize("engine", ["local", "vllm"])
+def test_max_model_len_above_max_position_embeddings_is_a_startup_error(capsys, engine):
+    err = _fails(capsys, "--engine", engine, "--max-model-len", "1024")
+    assert "1024" in err and "max_position_embeddings 512" in err
+    assert _cfg("--engine", engine, "--max-model-len", "300").max_model_len == 300
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (
+            [
+                "--speculative-config",
+                '{"method": "draft_model", "model": "d", "num_speculative_tokens": 4}',
+                "--additional-config",
+                '{"treespec": {"tree": "topk:k=2,depth=3,budget=6"}}',
+            ],
+            ["num_speculative_tokens=4", "budget 6"],
+        ),
+        (["--additional-config", '{"treespec": {"tree": "bogus:1"}}'], ["--additional-config"]),
+        (["--additional-config", '{"treespec": {"tre": "chain:2"}}'], ["treespec"]),
+        (["--speculative-config", '{"method": "ngram", "model": "d"}'], ["ngram"]),
+        (["--tree", "chain:2", "--", "--seed", "1"], ["--"]),
+    ],
+)
+def test_vllm_flag_errors_name_the_field(capsys, argv, named):
+    err = _fails(capsys, "--engine", "local", *argv)
+    for word in named:
+        assert word in err, err
