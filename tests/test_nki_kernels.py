@@ -159,3 +159,19 @@ def test_tree_walk_128_node_trees_match_reference(mode):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.int64 and torch.equal(g, w)
     assert nki_backend.tree_walk.max_tree_nodes == 128
+
+
+def test_dense_masked_alternative_equals_reference():
+    """The bench's baseline (one [N, prefix + N] mask applied to every K/V tile, two
+    tiles of prefix) computes the same attention as the tree kernel."""
+    from kernels.nki.tree_attention import dense_masked_attention
+
+    gen = torch.Generator().manual_seed(3)
+    n, plen = 40, 700
+    tb = TreeBatch([random_tree(n, 3, width=3)])
+    q = torch.randn(n, 2, 32, generator=gen)
+    k = torch.randn(1, plen + n, 1, 32, generator=gen)
+    v = torch.randn(1, plen + n, 1, 32, generator=gen)
+    got = dense_masked_attention(q, k, v, tb, torch.tensor([plen]))
+    want = reference.tree_attention(q, k, v, tb, torch.tensor([plen]))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

@@ -16,6 +16,11 @@ Host glue (torch, outside the kernel): gathers each request's paged K/V into
 contiguous HBM tensors (``K^T [Hkv, D, L]``, ``V [Hkv, L, D]``), lays q out as
 ``Q^T [Hq, D, N]`` and unpacks the tree's ancestor bits into a ``uint8 [N, N]``
 predicate; one kernel launch per request. Head dim <= 128, tree <= 512 nodes.
+
+Given a dense ``uint8 [N, L]`` mask instead (:func:`dense_masked_attention`), the
+same kernel masks every K/V tile: the dense-masked alternative (the layout of a
+generic masked attention kernel), kept as the baseline ``bench.nki_executor``
+compares against.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ Q_TILE = 128
 @nki.jit
 def tree_attention_kernel(q_t, k_t, v, mask, scale):
     """One request. q_t ``[Hq, D, N]``, k_t ``[Hkv, D, L]``, v ``[Hkv, L, D]`` (same dtype),
-    mask ``uint8 [N, N]`` (1 = visible), ``L = prefix + N``. Grid: ``(Hkv,)``.
+    mask ``uint8 [N, N]`` (1 = visible; tree tile only) or ``uint8 [N, L]`` (dense: every
+    tile masked), ``L = prefix + N``. Grid: ``(Hkv,)``.
 
     Returns ``out [Hq, N, D]`` (q's dtype) and ``lse [Hq, N, 1]`` fp32.
     """
@@ -45,10 +51,14 @@ def tree_attention_kernel(q_t, k_t, v, mask, scale):
     plen = total - n
     group = hq // hkv
     kv = nl.program_id(0)
+    dense = mask.shape[1] == total and plen > 0
     out = nl.ndarray((hq, n, d), dtype=q_t.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((hq, n, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    tiles = [(j, min(KV_TILE, plen - j), False) for j in range(0, plen, KV_TILE)]
-    tiles.append((plen, n, True))
+    if dense:  # the dense-masked alternative: every tile of <= 512 keys masked
+        tiles = [(j, min(KV_TILE, total - j), True) for j in range(0, total, KV_TILE)]
+    else:
+        tiles = [(j, min(KV_TILE, plen - j), False) for j in range(0, plen, KV_TILE)]
+        tiles.append((plen, n, True))
     for g in nl.static_range(group):
         h = kv * group + g
         for q0 in nl.static_range(0, n, Q_TILE):
@@ -64,7 +74,8 @@ def tree_attention_kernel(q_t, k_t, v, mask, scale):
                 s = nl.ndarray((nq, w), dtype=nl.float32)
                 nisa.activation(s, nl.copy, s_ps, scale=scale)
                 if masked:
-                    visible = nl.load(mask[q0 : q0 + nq, :])
+                    cols = slice(j0, j0 + w) if dense else slice(0, n)
+                    visible = nl.load(mask[q0 : q0 + nq, cols])
                     nisa.tensor_copy_predicated(s, -math.inf, visible, reverse_pred=True)
                 tile_max = nl.ndarray((nq, 1), dtype=nl.float32)
                 nisa.tensor_reduce(tile_max, nl.maximum, s, axis=1, keepdims=True)
@@ -130,6 +141,11 @@ def tree_attention(
     Returns:
         ``out [T, Hq, D]`` in q's dtype (and ``lse [T, Hq]`` fp32).
     """
+    out, lse = _run(q, k_cache, v_cache, tree, prefix_lens, block_table, scale, dense=False)
+    return (out, lse) if return_lse else out
+
+
+def _run(q, k_cache, v_cache, tree, prefix_lens, block_table, scale, dense: bool):
     total, hq, d = q.shape
     if d > 128:
         raise ValueError(f"nki tree_attention supports head_dim <= 128, got {d}")
@@ -145,6 +161,8 @@ def tree_attention(
         k = gather_kv(k_cache, block_table, b, plen + n)  # [L, Hkv, D]
         v = gather_kv(v_cache, block_table, b, plen + n)
         mask = unpack_bits(tree.packed_mask[s:e], n).to(torch.uint8)
+        if dense:  # [N, L]: the prefix visible, the tree block by ancestry
+            mask = torch.cat([torch.ones(n, plen, dtype=torch.uint8), mask], dim=1)
         o, ls = tree_attention_kernel[hkv](
             q[s:e].permute(1, 2, 0).contiguous(),
             k.permute(1, 2, 0).contiguous(),
@@ -154,7 +172,22 @@ def tree_attention(
         )
         out[s:e] = o.permute(1, 0, 2).to(q.device)
         lse[s:e] = ls[..., 0].transpose(0, 1).to(q.device)
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+def dense_masked_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tree: Any,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The dense-masked alternative to :func:`tree_attention` (same arguments, same
+    result): a ``uint8 [N, prefix + N]`` mask from HBM applied to every K/V tile.
+    Not an op of the ``nki`` backend; ``bench.nki_executor`` measures it."""
+    return _run(q, k_cache, v_cache, tree, prefix_lens, block_table, scale, dense=True)[0]
 
 
 tree_attention.max_tree_nodes = MAX_TREE_NODES
