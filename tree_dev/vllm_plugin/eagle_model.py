@@ -64,7 +64,10 @@ def register_eagle_model() -> None:
         ModelRegistry.register_model(ARCHITECTURE, EagleTreespecLlamaForCausalLM)
 
 
-@support_torch_compile
+@support_torch_compile(
+    # explicit: with postponed annotations the decorator cannot read the tensor hints
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "inputs_embeds": 0}
+)
 class TreespecEagleModel(nn.Module):
     """fc (with bias) -> Llama layer(s) with input norm -> final RMSNorm."""
 
@@ -161,3 +164,57 @@ class EagleTreespecLlamaForCausalLM(EagleLlamaForCausalLM):
 
         loaded = AutoWeightsLoader(self).load_weights(renamed())
         return set(loaded) | {"model.embed_tokens.weight"}
+
+
+class EagleCaptureExtension:
+    """Worker extension recording the EAGLE draft's forwards, for checks against HF.
+
+    ``LLM(..., worker_extension_cls="tree_dev.vllm_plugin.eagle_model.EagleCaptureExtension")``
+    then ``llm.collective_rpc("treespec_eagle_capture", args=(True,))`` starts recording
+    every draft forward and logits call of the worker's proposer, and
+    ``llm.collective_rpc("treespec_eagle_captured")`` returns (and clears) them: per call
+    a dict of lists, ``{"kind": "forward", "input_ids": [T], "positions": [T],
+    "hidden_states": [T][d], "output": [T][d]}`` or ``{"kind": "logits", "logits": [R][V]}``.
+    """
+
+    def treespec_eagle_capture(self, on: bool) -> None:
+        model = self.model_runner.drafter.model
+        if not on:
+            model.__dict__.pop("forward", None)
+            model.__dict__.pop("compute_logits", None)
+            return
+        records = self.__dict__.setdefault("_treespec_eagle_records", [])
+        forward, compute_logits = type(model).forward, type(model).compute_logits
+
+        def recorded_forward(*args, **kwargs):
+            out = forward(model, *args, **kwargs)
+            b = dict(zip(("input_ids", "positions", "hidden_states"), args)) | kwargs
+            records.append(
+                {
+                    "kind": "forward",
+                    "input_ids": b["input_ids"].tolist(),
+                    "positions": b["positions"].tolist(),
+                    "hidden_states": b["hidden_states"].float().tolist(),
+                    "output": out[0].float().tolist(),
+                }
+            )
+            return out
+
+        def recorded_logits(hidden_states):
+            logits = compute_logits(model, hidden_states)
+            records.append({"kind": "logits", "logits": logits.float().tolist()})
+            return logits
+
+        model.forward = recorded_forward
+        model.compute_logits = recorded_logits
+
+    def treespec_eagle_captured(self) -> list[dict]:
+        records = self.__dict__.get("_treespec_eagle_records", [])
+        out = list(records)
+        records.clear()
+        return out
+
+
+# Importing this module (the plugin's register(), or vLLM resolving the worker extension
+# above in a worker) makes the architecture available to that process.
+register_eagle_model()
