@@ -251,3 +251,98 @@ def test_onednn_linears_switched_unless_disabled():
     n_linear = sum(isinstance(x, torch.nn.Linear) for x in target.modules())
     want = n_linear if onednn_available() else 0  # torch builds without oneDNN: untouched
     assert n_linear > 0 and len(switched(target)) == want and len(switched(draft)) == want
+
+
+def test_plain_decoding_runs_no_tree_kernel(models, prompts_and_greedy, monkeypatch):
+    """A root-only step is a plain decode: no tree attention, walk or compaction."""
+    import kernels
+
+    target, reference, _ = models
+    prompts, want = prompts_and_greedy
+    engine = Engine(target, tree="none", max_batch=4)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # prefill path warmed
+    calls = {"tree_attention": 0, "tree_walk": 0, "kv_compact": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counting(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(kernels, name, counting)
+    rid = engine.add_request(prompts[3], SamplingParams(max_tokens=12))
+    engine.step()  # admission: the prompt's prefill runs tree attention (a causal chain)
+    prefill_calls = calls["tree_attention"]
+    while engine.has_work():
+        engine.step()
+    assert engine.requests[rid].output == want[3]
+    assert calls == {"tree_attention": prefill_calls, "tree_walk": 0, "kv_compact": 0}
+    # a sampled plain decode draws what the walk would draw from the same generator
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+    monkeypatch.undo()
+    plain = Engine(target, tree="none").generate([prompts[3]], sp)[0]
+    assert plain == _walk_only_plain(reference, prompts[3], sp)
+
+
+def _walk_only_plain(model, prompt, sp):
+    """Plain sampling by ``kernels.tree_walk`` on root-only trees, full recompute."""
+    import kernels
+    from tree_dev.tree import TokenTree, TreeBatch
+
+    gen = torch.Generator().manual_seed(sp.seed)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(sp.max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1:]
+            res = kernels.tree_walk(
+                logits.float(),
+                torch.tensor([ids[-1]]),
+                TreeBatch([TokenTree.chain(0)]),
+                "target_only",
+                uniforms=torch.rand(1, 2, generator=gen),
+                temperature=torch.tensor([sp.temperature]),
+                top_p=torch.tensor([sp.top_p]),
+            )
+            out.append(int(res.output_tokens[0, 0]))
+            ids.append(out[-1])
+    return out
+
+
+def test_decode_attention_equals_tree_attention_on_paged_blocks():
+    """The decode shortcut (SDPA over the request's cached tokens, a view or a gather)
+    gives tree attention's output for a one-node step, on consecutive and scattered blocks."""
+    from tree_dev.attention import TreeForward, treespec_attention
+    from tree_dev.kv_cache import PagedKVCache
+    from tree_dev.tree import TokenTree, TreeBatch
+
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(1, 16, 4, 2, 8)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    cache.reserve(0, 9)  # blocks 0, 1, 2: consecutive
+    cache.reserve(1, 3)  # block 3
+    cache.reserve(0, 13)  # block 4 after the gap: request 0 is now scattered
+    cache.reserve(2, 6)  # blocks 5, 6
+    lens = [13, 3, 6]
+    kv = [cache.causal_slots(r, n) for r, n in enumerate(lens)]
+    assert isinstance(kv[0], torch.Tensor) and kv[0].tolist() == list(range(12)) + [16]
+    assert kv[1] == slice(12, 15) and kv[2] == slice(20, 26)
+    q = torch.randn(1, 4, 3, 8, generator=gen)
+    k_new = torch.randn(1, 2, 3, 8, generator=gen)
+    v_new = torch.randn(1, 2, 3, 8, generator=gen)
+    slots = torch.tensor([cache.slot(r, n - 1) for r, n in enumerate(lens)])
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    fast = TreeForward(cache, None, None, None, slots, None, "torch", causal_kv=kv)
+    got, _ = treespec_attention(layer, q, k_new, v_new, None, 0.3, tree_ctx=fast)
+    tree = TreeForward(
+        cache,
+        TreeBatch([TokenTree.chain(0)] * 3),
+        torch.tensor([n - 1 for n in lens]),
+        cache.block_table([0, 1, 2]),
+        slots,
+        None,
+        "reference",
+    )
+    want, _ = treespec_attention(layer, q, k_new, v_new, None, 0.3, tree_ctx=tree)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 import kernels
@@ -37,15 +38,38 @@ class TreeForward:
         new_rows: ``int64[T_new]`` rows of ``tree`` computed by this forward, or
             None when all rows are new.
         backend: kernels backend.
+        causal_kv: decode steps only (one new token per request, seeing its whole
+            sequence; ``tree`` unused): per request, the flat cache slots of its
+            tokens so far, new one included, in position order: a ``slice`` of
+            consecutive slots or an ``int64`` index tensor.
     """
 
     cache: PagedKVCache
-    tree: TreeBatch
-    prefix_lens: torch.Tensor
-    block_table: torch.Tensor
+    tree: TreeBatch | None
+    prefix_lens: torch.Tensor | None
+    block_table: torch.Tensor | None
     write_slots: torch.Tensor
     new_rows: torch.Tensor | None
     backend: str = "auto"
+    causal_kv: list[slice | torch.Tensor] | None = None
+
+
+def _causal_decode(
+    query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, ctx: TreeForward, scaling
+) -> torch.Tensor:
+    """``query [1, Hq, B, D]`` (one token per request) -> ``[1, B, Hq, D]``."""
+    hq, hkv = query.shape[1], k_flat.shape[1]
+    outs = []
+    for r, kv in enumerate(ctx.causal_kv):
+        k = k_flat[kv].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v_flat[kv].transpose(0, 1)[None]
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, r : r + 1], k, v, scale=scaling, enable_gqa=hq != hkv
+            )
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2)
 
 
 def treespec_attention(
@@ -70,8 +94,11 @@ def treespec_attention(
     layer = module.layer_idx
     k_cache, v_cache = ctx.cache.k[layer], ctx.cache.v[layer]
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, hkv, d)[ctx.write_slots] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache.view(-1, hkv, d)[ctx.write_slots] = value[0].transpose(0, 1).to(v_cache.dtype)
+    k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    k_flat[ctx.write_slots] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_flat[ctx.write_slots] = value[0].transpose(0, 1).to(v_cache.dtype)
+    if ctx.causal_kv is not None:
+        return _causal_decode(query, k_flat, v_flat, ctx, scaling), None
     q = query[0].transpose(0, 1)
     if ctx.new_rows is not None:
         full = q.new_zeros(ctx.tree.total_nodes, q.shape[1], q.shape[2])

@@ -37,6 +37,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import kernels
+from kernels.reference import target_probs
+from kernels.torchops.tree_walk import sample_inverse_cdf
 from tree_dev.attention import TreeForward, register
 from tree_dev.kv_cache import PagedKVCache
 from tree_dev.onednn_linear import use_onednn_linears
@@ -198,6 +200,8 @@ class Runner:
             ``hidden [T_new, H]`` (the model's final hidden state) and
             ``logits [T_new, V]`` (None unless ``want_logits``).
         """
+        if self._is_decode(trees, new_nodes):
+            return self._decode(req_ids, prefix_lens, trees, tokens, feats, want_logits)
         batch = _batch_of(tuple(trees), self.device)
         positions, slots, rows = [], [], []
         for r, (rid, plen, tree) in enumerate(zip(req_ids, prefix_lens, trees)):
@@ -216,8 +220,45 @@ class Runner:
             new_rows=None if new_nodes is None else torch.cat(rows).to(self.device),
             backend=self.backend,
         )
+        return self._run(tokens, torch.cat(positions).to(self.device), ctx, feats, want_logits)
+
+    @staticmethod
+    def _is_decode(trees: list[TokenTree], new_nodes: list[list[int]] | None) -> bool:
+        """Every request computes one node that sees its whole sequence: the last node
+        of a chain (a plain decode step, a chain draft's next level)."""
+        if new_nodes is None:
+            return all(t.num_nodes == 1 for t in trees)
+        return all(
+            len(n) == 1 and n[0] == t.num_nodes - 1 and t.max_depth == t.num_nodes - 1
+            for t, n in zip(trees, new_nodes)
+        )
+
+    def _decode(self, req_ids, prefix_lens, trees, tokens, feats, want_logits):
+        """``forward`` of one token per request, attending to all earlier ones: no tree
+        plan, one SDPA call per request and layer over a view of its cache."""
+        cache, positions, slots, kv = self.cache, [], [], []
+        for rid, plen, tree in zip(req_ids, prefix_lens, trees):
+            pos = plen + tree.num_nodes - 1
+            cache.reserve(rid, pos + 1)
+            positions.append(pos)
+            slots.append(cache.slot(rid, pos))
+            kv.append(cache.causal_slots(rid, pos + 1))
+        ctx = TreeForward(
+            cache=cache,
+            tree=None,
+            prefix_lens=None,
+            block_table=None,
+            write_slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            new_rows=None,
+            backend=self.backend,
+            causal_kv=kv,
+        )
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return self._run(tokens, pos_t, ctx, feats, want_logits)
+
+    def _run(self, tokens, positions, ctx, feats, want_logits):
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)[None]
-        pos = torch.cat(positions).to(self.device)[None]
+        pos = positions[None]
         if self.eagle:
             out = self.model(ids, feats[None], position_ids=pos, tree_ctx=ctx)
             return out.hidden_states[0], (out.logits[0] if want_logits else None)
@@ -561,7 +602,10 @@ class Engine:
         acc_len = torch.zeros(len(batch), dtype=torch.int64)
         acc_nodes = torch.zeros(len(batch), width, dtype=torch.int64)
         out_tokens = torch.full((len(batch), width), -1, dtype=torch.int64)
-        for mode in ("greedy", "target_only", "draft_probs"):
+        if width == 1:  # root-only trees (plain decoding): the bonus token is all
+            acc_len.fill_(1)
+            out_tokens[:, 0] = self._sample_roots(batch, logits)
+        for mode in ("greedy", "target_only", "draft_probs") if width > 1 else ():
             idx = [i for i, r in enumerate(batch) if r.mode == mode]
             if not idx:
                 continue
@@ -598,16 +642,20 @@ class Engine:
             acc_nodes[idx, :d] = res.accepted_nodes.clamp(min=0).cpu()
             out_tokens[idx, :d] = res.output_tokens.cpu()
         dev = self.runner.device
-        kernels.kv_compact(
-            self.runner.cache.k,
-            self.runner.cache.v,
-            torch.tensor([r.target_len for r in batch], device=dev),
-            acc_nodes.to(dev),
-            acc_len.to(dev),
-            self.runner.cache.block_table([r.req_id for r in batch]),
-            backend=self.kernel_backend,
-            check_inputs=False,
-        )
+        # compaction moves node j of the path to slot P + j: nothing to move when every
+        # accepted path is nodes 0..n-1 (root-only trees, a chain's accepted prefix)
+        steps = torch.arange(width).expand(len(batch), width)
+        if not bool(((acc_nodes == steps) | (steps >= acc_len[:, None])).all()):
+            kernels.kv_compact(
+                self.runner.cache.k,
+                self.runner.cache.v,
+                torch.tensor([r.target_len for r in batch], device=dev),
+                acc_nodes.to(dev),
+                acc_len.to(dev),
+                self.runner.cache.block_table([r.req_id for r in batch]),
+                backend=self.kernel_backend,
+                check_inputs=False,
+            )
         outs = []
         for i, r in enumerate(batch):
             n = int(acc_len[i])
@@ -631,6 +679,27 @@ class Engine:
         for r in [r for r in batch if r.finished]:
             self._release(r)
         return outs
+
+    def _sample_roots(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """The next token of every request from its root's logits ``[B, V]``: the
+        argmax, or a draw by the walk's own rule (``uniforms [1, 2]`` per request from
+        its generator, inverse CDF of the tempered top-p target distribution at
+        ``u[0, 1]``), so a root-only tree emits exactly what ``tree_walk`` would."""
+        out = torch.empty(len(batch), dtype=torch.int64)
+        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
+        if greedy:
+            out[greedy] = logits[greedy].argmax(-1).cpu()
+        rest = [i for i in range(len(batch)) if batch[i].params.temperature != 0]
+        if rest:
+            u = torch.cat([torch.rand(1, 2, generator=batch[i].generator) for i in rest])
+            p = target_probs(
+                logits[rest].float().cpu(),
+                torch.arange(len(rest)),
+                torch.tensor([batch[i].params.temperature for i in rest]),
+                torch.tensor([batch[i].params.top_p for i in rest]),
+            )
+            out[rest] = sample_inverse_cdf(p, u[:, 1])
+        return out
 
     def _commit(self, req: Request, emitted: list[int]) -> list[int]:
         """Append tokens up to the first stop condition; returns what was appended."""

@@ -79,3 +79,19 @@ class PagedKVCache:
         return (owned[pos // self.block_size] * self.block_size + pos % self.block_size).to(
             self.k.device
         )
+
+    def slot(self, req_id: int, position: int) -> int:
+        """Flat slot id of one token position (host int, no tensor op)."""
+        bs = self.block_size
+        return self.blocks[req_id][position // bs] * bs + position % bs
+
+    def causal_slots(self, req_id: int, length: int) -> slice | torch.Tensor:
+        """Flat slots of positions ``0..length-1`` in order: a ``slice`` when they are
+        consecutive (the request's blocks follow each other: a view, no copy), else an
+        ``int64`` index tensor."""
+        bs = self.block_size
+        owned = self.blocks[req_id][: -(-length // bs)]
+        first = owned[0]
+        if owned[-1] - first == len(owned) - 1 and owned == list(range(first, first + len(owned))):
+            return slice(first * bs, first * bs + length)
+        return self.slots(req_id, torch.arange(length))
