@@ -1,5 +1,6 @@
 """Command line: ``python -m accuracy compare REF TEST [--baseline DIR]``,
-``python -m accuracy tree DENSE TREE`` and ``python -m accuracy inspect DIR``.
+``python -m accuracy tree DENSE TREE``, ``python -m accuracy inspect DIR`` and
+``python -m accuracy hf-vs-vllm --model DIR --prompts FILE.json --max-tokens N --out DIR``.
 
 ``compare`` prints the designed two-way report (REF vs TEST) or, with
 ``--baseline``, the three-way report (REF = expected, e.g. HF BF16; TEST = actual;
@@ -53,6 +54,25 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--accepted", default=None, help="accepted node ids, e.g. 0,1,3")
     t.add_argument("--threshold", type=float, default=0.01)
     t.add_argument("--plot", default=None, help="write a PNG of error per tree depth")
+    h = sub.add_parser(
+        "hf-vs-vllm",
+        help="capture vLLM, HF FP32 and HF BF16 on the same tokens; two- and three-way reports",
+    )
+    h.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    h.add_argument("--prompts", required=True, help="JSON file: a list of prompt strings")
+    h.add_argument("--max-tokens", type=int, required=True, help="greedy tokens per prompt")
+    h.add_argument("--out", required=True, help="output dir (vllm/, hf_fp32/, hf_bf16/)")
+    h.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    h.add_argument("--modules", nargs="+", default=None, help="capture patterns (default: all)")
+    h.add_argument("--eager", action="store_true", help="enforce_eager (skip torch.compile)")
+    h.add_argument("--threshold", type=float, default=None, help="two-way L-inf threshold")
+    h.add_argument("--multiplier", type=float, default=1.5, help="three-way ratio threshold")
+    h.add_argument(
+        "--plant-bug",
+        default=None,
+        metavar="MODULE=SCALE",
+        help="self-test: scale one vLLM module's output (e.g. model.layers.2.mlp=1.5)",
+    )
     i = sub.add_parser("inspect", help="list steps, modules, shapes and dtypes of a capture dir")
     i.add_argument("dir")
     return p
@@ -68,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "tree":
             return _tree(args)
+        if args.cmd == "hf-vs-vllm":
+            return _hf_vs_vllm(args)
         ref, test = read(args.ref), read(args.test)
         rfn = RECONSTRUCTIONS[args.ref_reconstruction]
         tfn = RECONSTRUCTIONS[args.test_reconstruction]
@@ -129,6 +151,37 @@ def _tree(args) -> int:
     if args.plot:
         print(f"plot: {plot_tree_errors(errors_by_depth(rows), args.plot)}")
     return 1 if bad else 0
+
+
+def _hf_vs_vllm(args) -> int:
+    from .vllm_compare import hf_vs_vllm, load_prompts
+
+    prompts = load_prompts(args.prompts)
+    fault = None
+    if args.plant_bug:
+        mod, _, scale = args.plant_bug.partition("=")
+        try:
+            fault = {"module": mod, "scale": float(scale or 2.0)}
+        except ValueError as e:
+            raise ValueError(f"--plant-bug {args.plant_bug!r}: expected MODULE=SCALE") from e
+    res = hf_vs_vllm(
+        args.model,
+        prompts,
+        args.max_tokens,
+        args.out,
+        dtype=args.dtype,
+        modules=args.modules,
+        enforce_eager=args.eager,
+        fault=fault,
+        threshold=args.threshold,
+        multiplier=args.multiplier,
+    )
+    for label, first in (("two-way", res.first_two_way), ("three-way", res.first_three_way)):
+        if first:
+            print(f"FIRST DIVERGENCE ({label}): {first[0]} step {first[1]} {first[2]}")
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in res.seconds.items())
+    print(f"hf-vs-vllm: {'PASSED' if res.ok else 'FAILED'} ({times})")
+    return 0 if res.ok else 1
 
 
 if __name__ == "__main__":

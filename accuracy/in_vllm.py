@@ -1,0 +1,736 @@
+"""The accuracy tooling inside a vLLM 0.32 model runner (capture, replacement, fault injection).
+
+Loaded by vLLM through the ``vllm.general_plugins`` entry point ``treespec_accuracy`` in
+every process. :func:`register` patches one method, ``GPUModelRunner.__init__`` (the CPU
+runner subclasses it), with a check of ``additional_config``: a runner whose
+``additional_config["treespec"]`` (or the designs' ``"neuron_config"``) holds none of
+``tensor_capture`` / ``tensor_replacement`` / ``fault_injection`` is left untouched. Other
+keys of those dicts (the tree plugin's ``"tree"``) are ignored here.
+
+An enabled runner gets per-instance wrappers (so they compose with other plugins' class
+patches):
+
+- ``load_model``: after vLLM has built the model (its ``@support_torch_compile`` wrapper
+  in place, nothing traced yet) the capture, replacement and fault hooks are registered on
+  the model's submodules, before warmup; dynamo traces them into the compiled graph once.
+- ``execute_model``: remembers the scheduler output, registers new requests with the
+  :class:`~accuracy.TensorReplacer` (longest verified prefix match).
+- ``_model_forward``: builds the replacement context from the scheduler's request ids and
+  positions, brackets the forward with ``setup_tensor_capture`` / ``save_tensor_captures``
+  and writes ``dp0/{prefill_s*,decode_b*}_{i}`` with the scheduler metadata.
+- the worker's ``compile_or_warm_up_model``: enables disk writes after warmup.
+
+The draft model of speculative decoding (``draft_modules``) is captured around each of its
+forward calls into ``capture_dir/draft``.
+
+Configuration (all keys optional except ``capture_dir`` / a tensor source)::
+
+    additional_config={"treespec": {
+        "tensor_capture": {"modules": ["model.layers.0-5", "lm_head"], "capture_dir": D,
+                           "draft_modules": [...], "capture_filter": [...]},
+        "tensor_replacement": replacement_config(tensors, prompt_token_ids)   # in memory
+                           | {"tensors_path": P, "prompt_token_ids_path": Q,
+                              "modules": [...]},                          # from disk
+        "fault_injection": {"module": "model.layers.2.mlp", "scale": 1.5},
+    }}
+
+``"lm_head"`` in vLLM is applied through ``compute_logits`` on the sampled rows only;
+capturing it stores ``compute_logits`` of every slot's final hidden state (``[T, vocab]``,
+the layout of HF's ``lm_head`` output). Decoder layers return ``(hidden, residual)`` with
+the residual add deferred; their capture stacks both as ``[2, T, H]`` (see
+:func:`accuracy.vllm_compare.vllm_reconstruct`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .capture import ModelCapture
+from .patterns import match_modules
+from .registry import TensorRegistry
+from .replacement import (
+    TensorReplacementConfig,
+    TensorReplacer,
+    get_replacement_tensor,
+    set_active_context,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_SECTIONS = ("neuron_config", "treespec")  # later wins
+MY_KEYS = ("tensor_capture", "tensor_replacement", "fault_injection")
+_CAPTURE_KEYS = {"modules", "capture_dir", "draft_modules", "capture_filter", "strict"}
+_LAYER_RE = re.compile(r"(^|.*\.)layers\.\d+$")
+_STATE_ATTR = "_treespec_accuracy"
+TREE_ATTR = "treespec_tree_batch"
+_installed = {"done": False}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+class InMemoryReplacement(dict):
+    """Replacement tensors passed to an offline ``LLM`` through ``additional_config``.
+
+    vLLM hashes ``additional_config`` with ``json.dumps``: this dict holds only a JSON
+    summary (module names, prompt count, a content hash) and keeps the tensors in
+    attributes, which travel to the workers with the config.
+    """
+
+    def __init__(
+        self,
+        tensors: list[dict[str, list[torch.Tensor]]],
+        prompt_token_ids: list[list[int]] | None = None,
+        modules: list[str] | None = None,
+    ) -> None:
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise ValueError("tensor_replacement: tensors must be a non-empty list of dicts")
+        names = sorted({m for caps in tensors for m in caps})
+        digest = _tensor_digest(tensors)
+        super().__init__(in_memory=True, modules=modules or names, prompts=len(tensors))
+        self["digest"] = digest
+        self.tensors = tensors
+        self.prompt_token_ids = prompt_token_ids
+
+    def __reduce__(self):  # keep the tensors when pickled to the workers
+        return (
+            InMemoryReplacement,
+            (self.tensors, self.prompt_token_ids, list(self["modules"])),
+        )
+
+
+def _tensor_digest(tensors: list[dict[str, list[torch.Tensor]]]) -> str:
+    import hashlib
+
+    h = hashlib.sha1()
+    for caps in tensors:
+        for m in sorted(caps):
+            h.update(m.encode())
+            for t in caps[m]:
+                h.update(str(tuple(t.shape)).encode())
+                h.update(t.detach().float().reshape(-1)[:64].numpy().tobytes())
+    return h.hexdigest()
+
+
+def replacement_config(
+    tensors: list[dict[str, list[torch.Tensor]]],
+    prompt_token_ids: list[list[int]] | None = None,
+    modules: list[str] | None = None,
+) -> InMemoryReplacement:
+    """The ``tensor_replacement`` value for an offline ``LLM``: reference captures (one
+    ``{module: [step tensors]}`` per prompt, the :class:`~accuracy.TensorReplacer` input)
+    and the prompts' token ids; ``modules`` limits which ones are injected."""
+    return InMemoryReplacement(tensors, prompt_token_ids, modules)
+
+
+def accuracy_config(additional_config: Any) -> dict[str, Any]:
+    """This tool's keys of ``additional_config`` (``neuron_config`` then ``treespec``)."""
+    out: dict[str, Any] = {}
+    if not isinstance(additional_config, dict):
+        return out
+    for section in CONFIG_SECTIONS:
+        sec = additional_config.get(section)
+        if isinstance(sec, dict):
+            out.update({k: v for k, v in sec.items() if k in MY_KEYS and v is not None})
+    return out
+
+
+def check_capture_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Validate a ``tensor_capture`` dict (keys, module lists, a writable ``capture_dir``)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"tensor_capture must be a dict, got {type(cfg).__name__}")
+    unknown = set(cfg) - _CAPTURE_KEYS
+    if unknown:
+        raise ValueError(f"tensor_capture: unknown keys {sorted(unknown)}")
+    if not cfg.get("capture_dir"):
+        raise ValueError("tensor_capture: capture_dir is required")
+    for key in ("modules", "draft_modules", "capture_filter"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, str) or not all(isinstance(x, str) and x for x in v)):
+            raise ValueError(f"tensor_capture.{key} must be a list of non-empty strings: {v!r}")
+    if not cfg.get("modules") and not cfg.get("draft_modules"):
+        raise ValueError("tensor_capture: modules (or draft_modules) must list something")
+    check_writable(cfg["capture_dir"], "tensor_capture.capture_dir")
+    return cfg
+
+
+def check_writable(path: str, what: str) -> None:
+    """ValueError naming ``path`` unless a file can be created in it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ValueError(f"{what} '{path}' is not writable ({e.strerror or e})") from e
+
+
+def _replacement_source(cfg: Any) -> tuple[list, list | None, list[str] | None]:
+    if isinstance(cfg, InMemoryReplacement):
+        return cfg.tensors, cfg.prompt_token_ids, list(cfg["modules"])
+    if isinstance(cfg, TensorReplacementConfig):
+        tensors, ids = cfg.load()
+        return tensors, ids, None
+    if isinstance(cfg, dict):
+        d = dict(cfg)
+        modules = d.pop("modules", None)
+        tensors, ids = TensorReplacementConfig.from_dict(d).load()
+        return tensors, ids, modules
+    raise ValueError(f"tensor_replacement: unsupported value of type {type(cfg).__name__}")
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def _decoder_pair(out: Any) -> bool:
+    return (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and all(isinstance(t, torch.Tensor) for t in out)
+        and out[0].shape == out[1].shape
+    )
+
+
+def _capture_hooks(model: nn.Module, names: list[str], registry: TensorRegistry) -> list[Any]:
+    """Capture hooks. A decoder layer's ``(hidden, residual)`` is stored as ``[2, T, H]``;
+    of any other tuple output (vLLM's fused add-norms return ``(normed, residual)``) the
+    first tensor is stored, under the module's own name, as in HF."""
+    mods = dict(model.named_modules())
+    handles = []
+    for name in names:
+        is_layer = bool(_LAYER_RE.match(name))
+
+        def hook(_m, _inp, out, _n=name, _r=registry, _layer=is_layer):
+            if _layer and _decoder_pair(out):
+                _r.register_module_tensor(_n, torch.stack(out))
+            elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+                _r.register_module_tensor(_n, out[0])
+            else:
+                _r.register_module_tensor(_n, out)
+
+        handles.append(mods[name].register_forward_hook(hook))
+    return handles
+
+
+def _replacement_hooks(model: nn.Module, names: list[str]) -> list[Any]:
+    """Output overrides: a module returns its active replacement (``[T, E]``, the
+    scheduler's slot layout). A decoder layer returns ``(replacement, 0)`` so that the
+    next layer's deferred residual add yields the replacement exactly."""
+    mods = dict(model.named_modules())
+    handles = []
+    for name in names:
+
+        def hook(_m, _inp, out, _n=name):
+            rep = get_replacement_tensor(_n)
+            if rep is None:
+                return None
+            if _decoder_pair(out):
+                h = rep[: out[0].shape[0]].to(out[0].dtype)
+                return h, torch.zeros_like(out[1])
+            if isinstance(out, tuple):
+                return (rep[: out[0].shape[0]].to(out[0].dtype), *out[1:])
+            return rep[: out.shape[0]].to(out.dtype)
+
+        handles.append(mods[name].register_forward_hook(hook))
+    return handles
+
+
+def _fault_hook(model: nn.Module, cfg: dict[str, Any]) -> Any:
+    """Scale one module's (first) output: a deliberately planted numerical bug."""
+    if not isinstance(cfg, dict) or set(cfg) - {"module", "scale"} or "module" not in cfg:
+        raise ValueError(f"fault_injection must be {{'module': name, 'scale': x}}, got {cfg!r}")
+    mods = dict(model.named_modules())
+    name, scale = cfg["module"], float(cfg.get("scale", 2.0))
+    if name not in mods:
+        raise ValueError(f"fault_injection.module: no submodule named '{name}'")
+
+    def hook(_m, _inp, out):
+        if isinstance(out, tuple):
+            return (out[0] * scale, *out[1:])
+        return out * scale
+
+    return mods[name].register_forward_hook(hook)
+
+
+def _expected_features(model: nn.Module, name: str, hidden: int, vocab: int) -> int | None:
+    """Feature size of ``name``'s output where it is known without running the model."""
+    mod = dict(model.named_modules())[name]
+    if name.split(".")[-1] in ("lm_head", "logits_processor"):
+        return vocab
+    for attr in ("output_size_per_partition", "out_features"):
+        v = getattr(mod, attr, None)
+        if isinstance(v, int):
+            return v
+    last = name.split(".")[-1]
+    if (
+        _LAYER_RE.match(name)
+        or last in ("mlp", "self_attn", "norm", "embed_tokens")
+        or (last.endswith("layernorm"))
+    ):
+        return hidden
+    return None
+
+
+# ----------------------------------------------------------------------------- runner state
+
+
+@dataclass
+class _RunnerState:
+    """Per-runner accuracy state (attached to the runner as ``_treespec_accuracy``)."""
+
+    cfg: dict[str, Any]
+    target: ModelCapture | None = None
+    draft: ModelCapture | None = None
+    lm_head: bool = False
+    replacer: TensorReplacer | None = None
+    replace_modules: list[str] = field(default_factory=list)
+    scheduler_output: Any = None
+    req_prompt: dict[str, int] = field(default_factory=dict)
+    step_meta: dict[str, Any] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+    warmup_stats: dict[str, int] = field(default_factory=dict)
+
+
+def compile_stats() -> dict[str, int]:
+    """Compilation counters of this process: dynamo's unique graphs and vLLM's
+    ``compilation_counter`` (graphs seen, backend / inductor compiles)."""
+    out: dict[str, int] = {}
+    try:
+        from torch._dynamo.utils import counters
+
+        out["dynamo_unique_graphs"] = int(counters["stats"].get("unique_graphs", 0))
+    except Exception:  # pragma: no cover - private API
+        pass
+    try:
+        from vllm.compilation.counter import compilation_counter as cc
+
+        for k in ("num_graphs_seen", "num_backend_compilations", "num_inductor_compiles"):
+            out[k] = int(getattr(cc, k, 0))
+    except Exception:  # pragma: no cover
+        pass
+    return out
+
+
+def _ranks(runner) -> tuple[int, int]:
+    pc = runner.vllm_config.parallel_config
+    tp = 0
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        tp = int(get_tensor_model_parallel_rank())
+    except Exception:
+        tp = 0
+    return int(getattr(pc, "data_parallel_rank", 0) or 0), tp
+
+
+def _setup(runner) -> None:
+    """After ``load_model``: validate the config against the model and register hooks."""
+    st: _RunnerState = getattr(runner, _STATE_ATTR)
+    model = runner.model
+    hf = runner.model_config.hf_text_config
+    hidden, vocab = int(hf.hidden_size), int(hf.vocab_size)
+    dp, tp = _ranks(runner)
+    if "fault_injection" in st.cfg:
+        st.handles.append(_fault_hook(model, st.cfg["fault_injection"]))
+    rep_cfg = st.cfg.get("tensor_replacement")
+    if rep_cfg is not None:
+        tensors, ids, modules = _replacement_source(rep_cfg)
+        st.replacer = TensorReplacer(tensors, prompt_token_ids=ids)
+        names = list(modules or st.replacer.modules)
+        known = dict(model.named_modules())
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise ValueError(
+                f"tensor_replacement: unknown module(s) {missing} in {type(model).__name__}"
+            )
+        for n in names:
+            if n not in st.replacer.modules:
+                raise ValueError(f"tensor_replacement: no reference tensors for module '{n}'")
+            feat = tuple(st.replacer.flat[0][n].shape[1:])
+            want = _expected_features(model, n, hidden, vocab)
+            if want is not None and feat != (want,):
+                raise ValueError(
+                    f"tensor_replacement: tensors for module '{n}' have feature shape "
+                    f"{list(feat)} but the module outputs [T, {want}]"
+                )
+        st.replace_modules = names
+        st.handles += _replacement_hooks(model, names)
+    cap = st.cfg.get("tensor_capture")
+    if cap is not None:
+        modules = list(cap.get("modules") or [])
+        st.lm_head = any(re.fullmatch(p, "lm_head") for p in modules if p)
+        hook_patterns = [p for p in modules if p != "lm_head"]
+        common = dict(dp_rank=dp, tp_rank=tp, capture_filter=cap.get("capture_filter"))
+        if modules:
+            names = (
+                match_modules(model, hook_patterns, strict=cap.get("strict", True))
+                if (hook_patterns)
+                else []
+            )
+            if st.lm_head and "lm_head" in names:
+                names.remove("lm_head")  # never called: logits come from compute_logits
+            st.target = ModelCapture(
+                model,
+                [],
+                cap["capture_dir"],
+                strict=False,
+                config=_manifest_cfg(runner, cap),
+                **common,
+            )
+            st.target._capture_names = names + (["lm_head"] if st.lm_head else [])
+            st.handles += _capture_hooks(model, names, st.target.registry)
+        if cap.get("draft_modules"):
+            drafter = getattr(runner, "drafter", None)
+            dmodel = getattr(drafter, "model", None)
+            if dmodel is None:
+                raise ValueError(
+                    "tensor_capture.draft_modules given but speculative decoding with a "
+                    "draft model is not configured"
+                )
+            dnames = match_modules(dmodel, list(cap["draft_modules"]), strict=True)
+            st.draft = ModelCapture(
+                dmodel,
+                [],
+                cap["capture_dir"],
+                subdirectory="draft",
+                strict=False,
+                config=_manifest_cfg(runner, cap),
+                **common,
+            )
+            st.draft._capture_names = dnames
+            st.handles += _capture_hooks(dmodel, dnames, st.draft.registry)
+            st.handles += _draft_bracket(runner, dmodel)
+    if st.target is not None:
+        TensorRegistry._instance = st.target.registry
+
+
+def _manifest_cfg(runner, cap: dict[str, Any]) -> dict[str, Any]:
+    mc = runner.model_config
+    return {
+        "engine": "vllm",
+        "model": str(mc.model),
+        "dtype": str(mc.dtype).replace("torch.", ""),
+        "enforce_eager": bool(mc.enforce_eager),
+        "requested": {k: v for k, v in cap.items() if k != "capture_dir"},
+    }
+
+
+def _draft_bracket(runner, dmodel: nn.Module) -> list[Any]:
+    """Pre/post hooks on the draft model's top module: one saved pass per draft forward."""
+    st: _RunnerState = getattr(runner, _STATE_ATTR)
+
+    def pre(_m, args, kwargs):
+        st.draft.setup_tensor_capture()
+
+    def post(_m, args, kwargs, out):
+        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        meta = st.step_meta
+        st.draft.save_tensor_captures(
+            pos if pos is not None else [],
+            bool(meta.get("is_prefill", False)),
+            req_ids=meta.get("req_ids"),
+            extra={"model": "draft", "target_seq": meta.get("seq")},
+        )
+
+    return [
+        dmodel.register_forward_pre_hook(pre, with_kwargs=True),
+        dmodel.register_forward_hook(post, with_kwargs=True),
+    ]
+
+
+def _step_metadata(runner, positions: torch.Tensor | None, input_ids) -> dict[str, Any]:
+    """Scheduler metadata of the pass about to run (request order = slot order)."""
+    so = runner_state(runner).scheduler_output
+    ib = runner.input_batch
+    req_ids = list(ib.req_ids)
+    n = len(req_ids)
+    sched = [int(so.num_scheduled_tokens[r]) for r in req_ids] if so is not None else []
+    computed = [int(ib.num_computed_tokens_cpu[i]) for i in range(n)]
+    prompt_len = [int(ib.num_prompt_tokens[i]) for i in range(n)]
+    spec = so.scheduled_spec_decode_tokens if so is not None else {}
+    n_spec = [len(spec.get(r, ())) for r in req_ids]
+    prefilling = [c < p for c, p in zip(computed, prompt_len, strict=True)]
+    total = sum(sched)
+    pos = positions.reshape(-1)[: max(total, 0)] if positions is not None else None
+    slots = positions.reshape(-1).shape[0] if positions is not None else total
+    offsets, off = [], 0
+    for c in sched:
+        offsets.append([off, c])
+        off += c
+    return {
+        "req_ids": req_ids,
+        "num_scheduled_tokens": sched,
+        "num_computed_tokens": computed,
+        "num_prompt_tokens": prompt_len,
+        "num_spec_tokens": n_spec,
+        "prefilling": prefilling,
+        "slot_table": offsets,
+        "is_prefill": any(prefilling),
+        "num_slots": int(slots),
+        "num_real": int(total),
+        "positions": pos,
+        "all_positions": positions.reshape(-1).tolist() if positions is not None else [],
+        "input_ids": input_ids,
+    }
+
+
+def runner_state(runner) -> _RunnerState:
+    return getattr(runner, _STATE_ATTR)
+
+
+def _tree_meta(runner, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The tree plugin's ``treespec_tree_batch`` of this pass as :class:`TreeMetadata`
+    fields (slots of each request's tree, in request order), or None."""
+    tb = getattr(runner, TREE_ATTR, None)
+    if not tb:
+        return None
+    parents, tokens, cu = [], [], [0]
+    order = {r: i for i, r in enumerate(tb["req_ids"])}
+    for r in meta["req_ids"]:
+        if r not in order:
+            continue
+        i = order[r]
+        parents += [int(p) for p in tb["parents"][i]]
+        tokens += [int(t) for t in tb["tokens"][i]]
+        cu.append(len(parents))
+    return {"parents": parents, "tokens": tokens, "cu_nodes": cu, "raw": tb}
+
+
+def _wrap_model_forward(runner, orig: Callable) -> Callable:
+    st = runner_state(runner)
+
+    @functools.wraps(orig)
+    def model_forward(*args, **kwargs):
+        positions = kwargs.get("positions")
+        input_ids = kwargs.get("input_ids")
+        meta = _step_metadata(runner, positions, input_ids)
+        st.step_meta = meta
+        if st.replacer is not None:
+            _set_replacement(st, meta, positions)
+        if st.target is not None:
+            st.target.setup_tensor_capture()
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            if st.replacer is not None:
+                set_active_context(None)
+        if st.target is not None:
+            _save_target(runner, st, meta, out)
+        return out
+
+    return model_forward
+
+
+def _set_replacement(st: _RunnerState, meta: dict[str, Any], positions) -> None:
+    slots = meta["num_slots"]
+    pos = positions.reshape(-1).tolist() if positions is not None else []
+    mask = [i >= meta["num_real"] for i in range(slots)]
+    sched = meta["num_scheduled_tokens"]
+    decode_counts = set(sched)
+    kwargs: dict[str, Any]
+    if not meta["is_prefill"] and len(decode_counts) == 1:
+        kwargs = {"tokens_per_req": sched[0] if sched else 1}  # 1 + num spec tokens
+    else:
+        kwargs = {"slot_table": [tuple(x) for x in meta["slot_table"]]}
+    ctx = st.replacer.build_context(
+        meta["req_ids"],
+        pos,
+        meta["is_prefill"] and len(sched) == 1 and "slot_table" not in kwargs,
+        padding_mask=mask,
+        **kwargs,
+    )
+    set_active_context({m: ctx[m] for m in st.replace_modules})
+
+
+def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> None:
+    cap = st.target
+    if not cap.enabled:
+        cap.save_tensor_captures(None, False)  # restores the previous registry only
+        return
+    if st.lm_head:
+        hidden = out[0] if isinstance(out, tuple) else out
+        if isinstance(hidden, torch.Tensor):
+            with torch.no_grad():
+                logits = runner.model.compute_logits(hidden[: meta["num_slots"]])
+            if logits is not None:
+                cap.registry.register_module_tensor("lm_head", logits)
+    slots = meta["num_slots"]
+    positions = meta["all_positions"]
+    ids = meta["input_ids"]
+    token_ids = ids.reshape(-1)[:slots].tolist() if isinstance(ids, torch.Tensor) else None
+    padding = [i >= meta["num_real"] for i in range(slots)]
+    tree = _tree_meta(runner, meta)
+    extra = {
+        k: meta[k]
+        for k in (
+            "num_scheduled_tokens",
+            "num_computed_tokens",
+            "num_prompt_tokens",
+            "num_spec_tokens",
+            "prefilling",
+            "slot_table",
+        )
+    }
+    extra["engine"] = "vllm"
+    extra["compile_stats"] = compile_stats()
+    extra["compile_stats_after_warmup"] = st.warmup_stats
+    if st.replacer is not None:
+        extra["replacement_prompt_idx"] = {
+            r: st.replacer._req_to_prompt.get(r) for r in meta["req_ids"]
+        }
+    tree_md = None
+    if tree is not None:
+        extra["tree_batch"] = tree.pop("raw")
+        if len(tree["parents"]) <= slots:
+            tree_md = tree
+    meta["seq"] = cap.writer._seq
+    cap.save_tensor_captures(
+        positions,
+        meta["is_prefill"],
+        req_ids=meta["req_ids"],
+        padding_mask=padding,
+        token_ids=token_ids,
+        tree=tree_md,
+        extra=extra,
+    )
+
+
+def _wrap_execute_model(runner, orig: Callable) -> Callable:
+    st = runner_state(runner)
+
+    @functools.wraps(orig)
+    def execute_model(scheduler_output, *args, **kwargs):
+        st.scheduler_output = scheduler_output
+        if st.replacer is not None:
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.prompt_token_ids is not None:
+                    st.replacer.register_request(new.req_id, new.prompt_token_ids)
+        return orig(scheduler_output, *args, **kwargs)
+
+    return execute_model
+
+
+def _wrap_load_model(runner, orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def load_model(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        _setup(runner)
+        return out
+
+    return load_model
+
+
+def enable_capture(runner) -> None:
+    """Start writing captures (the worker calls it after warmup)."""
+    st = getattr(runner, _STATE_ATTR, None)
+    if st is None:
+        return
+    st.warmup_stats = compile_stats()
+    for cap in (st.target, st.draft):
+        if cap is not None:
+            cap.enable()
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def _init_runner(runner) -> None:
+    cfg = accuracy_config(runner.vllm_config.additional_config)
+    if not cfg:
+        return
+    if "tensor_capture" in cfg:
+        check_capture_config(cfg["tensor_capture"])
+    setattr(runner, _STATE_ATTR, _RunnerState(cfg))
+    runner.load_model = _wrap_load_model(runner, runner.load_model)
+    runner.execute_model = _wrap_execute_model(runner, runner.execute_model)
+    runner._model_forward = _wrap_model_forward(runner, runner._model_forward)
+
+
+def _patch_worker(cls) -> None:
+    orig = cls.compile_or_warm_up_model
+    if getattr(orig, "_treespec_accuracy", False):
+        return
+
+    @functools.wraps(orig)
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        enable_capture(getattr(self, "model_runner", None))
+        return out
+
+    compile_or_warm_up_model._treespec_accuracy = True
+    cls.compile_or_warm_up_model = compile_or_warm_up_model
+
+
+def _patch_config_check() -> None:
+    """Validate this tool's config in the process that builds the engine config, so a
+    bad ``capture_dir`` or replacement source fails before any worker starts."""
+    from vllm.config import VllmConfig
+
+    orig = VllmConfig.__post_init__
+    if getattr(orig, "_treespec_accuracy", False):
+        return
+
+    @functools.wraps(orig)
+    def __post_init__(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        cfg = accuracy_config(self.additional_config)
+        if "tensor_capture" in cfg:
+            check_capture_config(cfg["tensor_capture"])
+        rep = cfg.get("tensor_replacement")
+        if isinstance(rep, dict) and not isinstance(rep, InMemoryReplacement):
+            for key in ("tensors_path", "prompt_token_ids_path"):
+                if rep.get(key) and not os.path.isfile(rep[key]):
+                    raise ValueError(f"tensor_replacement.{key} '{rep[key]}' does not exist")
+        return out
+
+    __post_init__._treespec_accuracy = True
+    VllmConfig.__post_init__ = __post_init__
+
+
+def register() -> None:
+    """vLLM plugin entry point (every process; idempotent). Installs only the config
+    checks; runners are changed only when ``additional_config`` asks for this tool."""
+    if _installed["done"]:
+        return
+    _installed["done"] = True
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_init = GPUModelRunner.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        _init_runner(self)
+
+    GPUModelRunner.__init__ = __init__
+    for mod, name in (
+        ("vllm.v1.worker.cpu_worker", "CPUWorker"),
+        ("vllm.v1.worker.gpu_worker", "Worker"),
+    ):
+        try:
+            import importlib
+
+            _patch_worker(getattr(importlib.import_module(mod), name))
+        except Exception as e:  # a platform without that worker
+            logger.debug("treespec accuracy: %s.%s not patched (%s)", mod, name, e)
+    _patch_config_check()
+
+
+__all__ = [
+    "InMemoryReplacement",
+    "accuracy_config",
+    "check_capture_config",
+    "enable_capture",
+    "register",
+    "replacement_config",
+]
