@@ -500,3 +500,28 @@ def test_softmax_kernel_matches_torch(rows, cols):
     xb = x.bfloat16()
     ref = torch.softmax(xb.float(), -1).bfloat16()
     torch.testing.assert_close(examples.softmax(xb), ref, rtol=1e-2, atol=1e-3)
+
+
+# -- the cost counters ------------------------------------------------------------------
+
+
+def test_profile_counts_the_tiled_matmul_by_hand():
+    """matmul_kernel on [256, 256] @ [256, 1024] fp32: 2x2 output tiles of 128x512, two
+    K tiles each. Counts and bytes below are worked out from the kernel's loops."""
+    from kernels.nki.executor import profile as prof
+
+    a, b = torch.randn(256, 256), torch.randn(256, 1024)
+    with prof.profile() as p:
+        c = examples.matmul(a, b)
+    torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-3)
+    assert p.instructions == {"tensor": 8, "vector": 4, "scalar": 0, "gpsimd": 0, "dma": 20}
+    assert p.hbm_to_sbuf == 8 * (128 * 128 + 128 * 512) * 4
+    assert p.sbuf_to_hbm == 256 * 1024 * 4
+    assert p.matmul_flops == 2 * 256 * 256 * 1024
+    assert p.cycles["tensor"] == 8 * (512 * 4 + 60)  # fp32 inputs: 4x the bf16 rate
+    assert p.cycles["vector"] == 4 * (512 / 2 + 60)  # PSUM -> SBUF copies, fp32: 2 lanes
+    est = p.estimate()
+    assert est["dma"] == (p.hbm_to_sbuf + p.sbuf_to_hbm) / 368e9
+    assert est["tensor"] == p.cycles["tensor"] / 2.4e9
+    assert est["roofline_s"] == max(est[e] for e in prof.ENGINES)
+    assert not prof.active()
