@@ -1,0 +1,166 @@
+"""Tree attention inside vLLM: an override of the platform's attention backend.
+
+On the CPU, vLLM's ``CPU_ATTN`` kernel knows causal masks only. The override (registered
+with ``vllm.v1.attention.backends.registry.register_backend`` for ``CPU_ATTN``, see
+``hooks``) keeps vLLM's kernel for every row it gets right and recomputes the rows of
+token trees with ``kernels.tree_attention``:
+
+- **verify forward** (the target scores every request's tree): the runner publishes the
+  batch's trees in ``ACTIVE.verify`` before the forward; the layer lets vLLM write K/V and
+  run its causal kernel, then overwrites the tree requests' rows with tree attention over
+  the request's prefix and the node's ancestors (K/V read back from vLLM's cache through
+  the measured ``KVLayout``).
+- **draft forwards** (one per tree level): the drafter passes a ``TreeAttentionMetadata``
+  instead of vLLM's metadata; every row is a tree row, vLLM's kernel is not called.
+
+Without an active tree the override is vLLM's own implementation, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+import kernels
+from tree_dev.tree import TreeBatch
+from tree_dev.vllm_plugin.kv_layout import KVLayout, contiguous_kv
+
+
+@dataclass
+class TreeRows:
+    """Trees among the rows of one forward pass.
+
+    Attributes:
+        batch: ``TreeBatch`` of the trees (one per listed request).
+        req_rows: per tree, the batch row (request index) in vLLM's attention metadata, or
+            None when ``block_table`` is given here (draft forwards).
+        row_index: ``int64[T]`` token rows of the forward that hold the trees' nodes, in
+            ``batch.cu_nodes`` order; for draft forwards the rows being computed.
+        prefix_lens: ``int64[B]`` tokens cached before each tree.
+        query_nodes: ``int64[T_q]`` tree-batch node of each computed row (None: all nodes).
+        block_table: ``int[B, max_blocks]`` (draft forwards; verify uses vLLM's).
+    """
+
+    batch: TreeBatch
+    row_index: torch.Tensor
+    prefix_lens: torch.Tensor
+    req_rows: torch.Tensor | None = None
+    query_nodes: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    kv_lens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """Attention metadata of a draft forward: all rows are tree rows."""
+
+    rows: TreeRows
+    num_actual_tokens: int
+
+
+class _Active:
+    """The trees of the forward in flight (one model runner per worker process)."""
+
+    verify: TreeRows | None = None
+    backend: str = "torch"
+
+
+ACTIVE = _Active()
+_LAYOUTS: dict[tuple, KVLayout] = {}
+
+
+def layout_for(impl, layer, kv_cache: torch.Tensor) -> KVLayout:
+    """The measured ``KVLayout`` of this cache (cached per geometry, dtype and ISA)."""
+    key = (
+        type(impl),
+        kv_cache.dtype,
+        tuple(kv_cache.shape[1:]),
+        getattr(layer, "isa", None),
+        getattr(impl, "kv_cache_dtype", None),
+    )
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = _LAYOUTS[key] = KVLayout.discover(impl, layer, kv_cache)
+    return lay
+
+
+def tree_attend(
+    impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, rows: TreeRows, block_table
+) -> torch.Tensor:
+    """Tree attention of ``rows`` (``query [T_rows, Hq, D]``) -> ``[T_rows, Hq, D]``."""
+    lay = layout_for(impl, layer, kv_cache)
+    k, v = contiguous_kv(lay, kv_cache, block_table, rows.kv_lens)
+    q = query
+    if rows.query_nodes is not None:
+        full = q.new_zeros(rows.batch.total_nodes, q.shape[1], q.shape[2])
+        full[rows.query_nodes] = q
+        q = full
+    out = kernels.tree_attention(
+        q.contiguous(),
+        k.to(q.dtype),
+        v.to(q.dtype),
+        rows.batch,
+        rows.prefix_lens,
+        None,
+        scale=impl.scale,
+        backend=ACTIVE.backend,
+        check_inputs=False,
+    )
+    if rows.query_nodes is not None:
+        out = out[rows.query_nodes]
+    return out
+
+
+class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, with tree rows recomputed by ``kernels.tree_attention``."""
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hq, d = self.num_heads, self.head_size
+        if isinstance(attn_metadata, TreeAttentionMetadata):  # draft forward: all tree rows
+            rows = attn_metadata.rows
+            n = attn_metadata.num_actual_tokens
+            q = query[:n].view(n, hq, d)
+            out = tree_attend(self, layer, q, kv_cache, rows, rows.block_table)
+            output[:n] = out.reshape(output[:n].shape).to(output.dtype)
+            return output
+        super().forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            output_scale=output_scale,
+            output_block_scale=output_block_scale,
+        )
+        rows = ACTIVE.verify
+        if rows is None or attn_metadata is None:
+            return output
+        q = query.view(query.shape[0], hq, d)[rows.row_index]
+        table = attn_metadata.block_table[rows.req_rows]
+        out = tree_attend(self, layer, q, kv_cache, rows, table)
+        out_view = output.view(output.shape[0], hq, d)
+        out_view[rows.row_index] = out.to(output.dtype)
+        return output
+
+
+class TreeCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with tree rows; registered as its override by the plugin."""
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeCPUAttentionImpl]:
+        return TreeCPUAttentionImpl

@@ -1,0 +1,165 @@
+"""The plugin's configuration: ``additional_config["treespec"]``, checked at start-up.
+
+>>> LLM(model=TARGET,
+...     speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 8},
+...     additional_config={"treespec": {"tree": "topk:k=2,depth=4,budget=8"}})
+
+Keys of the ``treespec`` dict read here (other keys belong to the accuracy tooling):
+
+- ``tree``: a tree spec (``tree_dev.spec``): ``topk:...``, ``chain:K``, ``paths:[...]``,
+  ``medusa:NAME`` with ``method`` ``draft_model`` or ``eagle``; ``ngram:budget=N,...`` with
+  ``method`` ``ngram``.
+- ``kernel_backend``: ``kernels`` backend for tree attention and the walk (default: triton
+  on CUDA, torch on the CPU).
+- ``debug_disable``: ``"mask"``, ``"positions"`` or ``"compaction"`` turns that part of tree
+  verification off. For tests that prove the lossless checks can fail; never for serving.
+
+Every mistake is a ``ValueError`` naming the field, raised when vLLM builds its config
+(in the process that calls ``LLM(...)`` or starts the server), before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tree_dev.spec import Policy, StaticPolicy, TopKPolicy, parse_tree_spec
+
+KEY = "treespec"
+MODEL_METHODS = ("draft_model", "eagle")
+DEBUG_SWITCHES = ("mask", "positions", "compaction")
+KERNEL_BACKENDS = ("auto", "torch", "reference", "triton")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """The validated tree configuration of one engine."""
+
+    spec: str
+    policy: Policy
+    method: str
+    num_draft_tokens: int
+    kernel_backend: str = "auto"
+    debug_disable: str | None = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method in MODEL_METHODS
+
+
+def draft_budget(policy: Policy) -> int:
+    """Draft nodes of the largest tree ``policy`` proposes (the root not counted)."""
+    budget = getattr(policy, "draft_budget", None)
+    return int(budget) if budget is not None else policy.max_nodes - 1
+
+
+def draft_slots(policy: Policy) -> int:
+    """Draft KV slots a proposal needs past the root: one per draft node forwarded."""
+    if isinstance(policy, TopKPolicy):
+        return policy.k * (policy.depth - 1)
+    if isinstance(policy, StaticPolicy):
+        tree = policy.tree
+        kids = tree.num_children.tolist()
+        return sum(1 for n in range(1, tree.num_nodes) if kids[n] > 0)
+    return 0
+
+
+def is_ngram(policy: Policy) -> bool:
+    return type(policy).__name__ == "NgramPolicy"
+
+
+def tree_section(additional_config: Any) -> dict | None:
+    """The ``treespec`` dict of an ``additional_config``, if the tree plugin is asked for."""
+    if not isinstance(additional_config, dict):
+        return None
+    section = additional_config.get(KEY)
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ValueError(f"additional_config[{KEY!r}] must be a dict, got {type(section).__name__}")
+    return section if "tree" in section else None
+
+
+def parse(
+    section: dict, speculative_config: Any, kv_cache_dtype: str = "auto", device: str = "cpu"
+) -> TreeConfig:
+    """Validate the ``treespec`` section against vLLM's speculative config."""
+    spec = section.get("tree")
+    if not isinstance(spec, str):
+        raise ValueError(
+            f"additional_config['treespec']['tree'] must be a tree spec string, got {spec!r}"
+        )
+    try:
+        policy = parse_tree_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"additional_config['treespec']['tree']: {e}") from None
+    if type(policy).__name__ == "NoDraftPolicy":
+        raise ValueError(
+            "additional_config['treespec']['tree'] is 'none': drop speculative_config instead"
+        )
+    if speculative_config is None:
+        raise ValueError(
+            f"additional_config['treespec']['tree'] = {spec!r} needs a speculative_config "
+            "(method draft_model, eagle or ngram, num_speculative_tokens = the tree's budget)"
+        )
+    method = getattr(speculative_config, "method", None)
+    if method not in (*MODEL_METHODS, "ngram"):
+        raise ValueError(
+            f"speculative_config method {method!r} cannot run trees; use draft_model, "
+            "eagle or ngram with additional_config['treespec']['tree']"
+        )
+    if is_ngram(policy) != (method == "ngram"):
+        raise ValueError(
+            f"additional_config['treespec']['tree'] = {spec!r} does not fit speculative_config "
+            f"method {method!r}: ngram:... trees go with method 'ngram', model trees "
+            "(topk/chain/paths/medusa) with 'draft_model' or 'eagle'"
+        )
+    budget = draft_budget(policy)
+    n = getattr(speculative_config, "num_speculative_tokens", None)
+    if n != budget:
+        raise ValueError(
+            f"speculative_config num_speculative_tokens = {n} but the tree {spec!r} has "
+            f"{budget} draft nodes: they must be equal"
+        )
+    slots = draft_slots(policy)
+    if method in MODEL_METHODS and slots > budget:
+        raise ValueError(
+            f"additional_config['treespec']['tree'] = {spec!r} forwards {slots} draft nodes "
+            f"(k * (depth - 1)), more than its budget {budget}: vLLM reserves only "
+            "num_speculative_tokens draft KV slots; lower k or depth, or raise budget"
+        )
+    backend = section.get("kernel_backend", "auto")
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(
+            f"additional_config['treespec']['kernel_backend'] = {backend!r}; "
+            f"expected one of {KERNEL_BACKENDS}"
+        )
+    if backend == "auto":
+        backend = "triton" if device == "cuda" else "torch"
+    import kernels
+
+    fn = kernels._resolve("tree_attention", backend, _device(device))
+    limit = getattr(fn, "max_tree_nodes", None)
+    if limit is not None and policy.max_nodes > limit:
+        raise ValueError(
+            f"additional_config['treespec']['tree'] = {spec!r} has {policy.max_nodes} nodes; "
+            f"the {backend!r} tree attention supports at most {limit}"
+        )
+    debug = section.get("debug_disable")
+    if debug is not None and debug not in DEBUG_SWITCHES:
+        raise ValueError(
+            f"additional_config['treespec']['debug_disable'] = {debug!r}; "
+            f"expected one of {DEBUG_SWITCHES}"
+        )
+    if kv_cache_dtype not in ("auto", None) and "fp8" in str(kv_cache_dtype):
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported with tree verification "
+            "(use 'auto')"
+        )
+    return TreeConfig(spec, policy, method, budget, backend, debug)
+
+
+def _device(device: str):
+    import torch
+
+    return torch.device("cuda" if device == "cuda" else "cpu")

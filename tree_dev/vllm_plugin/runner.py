@@ -1,0 +1,348 @@
+"""One vLLM model runner's tree state: verify, walk, compact, propose.
+
+A step of a request with a tree, in vLLM's order:
+
+1. ``propose`` (end of the previous step): the drafter grows a tree below the request's
+   root (its last sampled token); its draft tokens go to vLLM in breadth-first order, the
+   shape stays here, keyed by request id. The scheduler may cut the list; a BFS prefix of
+   a tree is a tree, so the cut tree is verified.
+2. ``prepare_verify`` (after vLLM's ``_prepare_inputs``): the request's ``1 + n`` query
+   rows are root + nodes; their RoPE positions become ``P + depth`` (slots stay linear,
+   ``P + node``), and ``attention.ACTIVE.verify`` tells the attention override which rows
+   are tree rows.
+3. ``walk_and_compact`` (after vLLM's sampler): ``kernels.tree_walk`` on the target's
+   logits at every node gives the accepted path and the bonus token; the row of vLLM's
+   sampler output is replaced by them (``-1`` padded, as vLLM's rejection sampler does).
+   The accepted nodes' K/V move to slots ``P+1 .. P+a`` through the backend's own cache
+   write, so when vLLM's scheduler rewinds ``num_computed_tokens`` to ``P + 1 + a`` the
+   cache holds exactly the accepted path.
+
+Requests whose sampling needs a feature that assumes chains (penalties, bad words, logit
+bias, min_p / top_k, min_tokens, logprobs, structured output, allowed token ids, logits
+processors) get no tree: vLLM decodes them plainly, which is exact, only not faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import kernels
+from tree_dev.proposer import tree_of
+from tree_dev.tree import TokenTree, TreeBatch
+from tree_dev.vllm_plugin import attention
+from tree_dev.vllm_plugin.config import TreeConfig, is_ngram
+
+
+@dataclass
+class Proposal:
+    """A request's proposed tree: node 0 is the root (the last sampled token)."""
+
+    tree: TokenTree
+    tokens: list[int]
+
+
+@dataclass
+class Stats:
+    """Per-depth acceptance over all tree steps of this runner."""
+
+    steps: int = 0
+    emitted: int = 0
+    depth_tried: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
+    fallback_requests: int = 0
+
+    def record(self, tree: TokenTree, accepted: int) -> None:
+        self.steps += 1
+        self.emitted += accepted + 1
+        depth = tree.max_depth
+        while len(self.depth_tried) < depth:
+            self.depth_tried.append(0)
+            self.depth_accepted.append(0)
+        for d in range(depth):
+            self.depth_tried[d] += 1
+            self.depth_accepted[d] += int(d < accepted)
+
+    def as_dict(self) -> dict:
+        return {
+            "tree_steps": self.steps,
+            "tokens_per_step": self.emitted / self.steps if self.steps else 0.0,
+            "acceptance_per_depth": [
+                a / t if t else 0.0 for a, t in zip(self.depth_accepted, self.depth_tried)
+            ],
+            "depth_tried": list(self.depth_tried),
+            "depth_accepted": list(self.depth_accepted),
+            "fallback_requests": self.fallback_requests,
+        }
+
+
+@dataclass
+class _Verify:
+    """The trees of the verify forward in flight."""
+
+    req_index: list[int]
+    req_ids: list[str]
+    prefix_lens: list[int]
+    trees: list[TokenTree]
+    tokens: list[list[int]]
+
+
+def tree_eligible(sp) -> bool:
+    """Whether a request's sampling parameters are exact under tree verification."""
+    if sp is None:
+        return False
+    checks = (
+        getattr(sp, "presence_penalty", 0.0) == 0.0,
+        getattr(sp, "frequency_penalty", 0.0) == 0.0,
+        getattr(sp, "repetition_penalty", 1.0) == 1.0,
+        not getattr(sp, "bad_words", None),
+        not getattr(sp, "bad_words_token_ids", None),
+        not getattr(sp, "logit_bias", None),
+        getattr(sp, "min_p", 0.0) == 0.0,
+        getattr(sp, "top_k", 0) in (0, -1, None),
+        getattr(sp, "min_tokens", 0) == 0,
+        getattr(sp, "logprobs", None) is None,
+        getattr(sp, "structured_outputs", None) is None,
+        not getattr(sp, "allowed_token_ids", None),
+        not getattr(sp, "logits_processors", None),
+    )
+    return all(checks)
+
+
+class TreeRunner:
+    """Tree speculative decoding state of one ``GPUModelRunner`` (CPU runner included)."""
+
+    def __init__(self, runner, cfg: TreeConfig):
+        self.runner = runner
+        self.cfg = cfg
+        self.proposals: dict[str, Proposal] = {}
+        self.draft_len: dict[str, int] = {}
+        self.verify: _Verify | None = None
+        self.stats = Stats()
+        self.target_layers: list[str] = []
+        self.drafter = None
+        attention.ACTIVE.backend = cfg.kernel_backend
+        # Every drafter runs after vLLM's bookkeeping (sampled tokens as lists, the
+        # persistent batch's token ids up to date): the runner's "padded drafter batch"
+        # path would hand vLLM's own GPU-side drafting inputs to a chain proposer.
+        spec = runner.speculative_config
+        if spec is not None:
+            spec.disable_padded_drafter_batch = True
+
+    # ----------------------------------------------------------------- set-up
+    def on_model_loaded(self) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        r = self.runner
+        layers = get_layers_from_vllm_config(r.vllm_config, Attention)
+        draft_names: set[str] = set()
+        if self.cfg.uses_draft_model:
+            draft_names = set(getattr(r.drafter, "_draft_attn_layer_names", set()))
+            from tree_dev.vllm_plugin.drafter import ModelDrafter
+
+            self.drafter = ModelDrafter(self, r.drafter, sorted(draft_names))
+        self.target_layers = sorted(n for n in layers if n not in draft_names)
+
+    def on_update_states(self, scheduler_output) -> None:
+        """Forget finished and preempted requests; new and resumed ones start over."""
+        gone = set(scheduler_output.finished_req_ids)
+        gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        gone |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()))
+        for new in scheduler_output.scheduled_new_reqs:
+            gone.add(new.req_id)
+        for rid in gone:
+            self.proposals.pop(rid, None)
+            self.draft_len.pop(rid, None)
+
+    # ----------------------------------------------------------------- verify
+    def prepare_verify(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
+        """Depth positions and tree rows for the requests whose drafts are a tree."""
+        r = self.runner
+        batch = r.input_batch
+        specs = scheduler_output.scheduled_spec_decode_tokens
+        self.verify = None
+        attention.ACTIVE.verify = None
+        if not specs:
+            return
+        idx, rids, prefix, trees, toks = [], [], [], [], []
+        qsl = r.query_start_loc.np
+        for rid, drafts in specs.items():
+            if not drafts:
+                continue
+            prop = self.proposals.get(rid)
+            n = len(drafts)
+            if prop is None or prop.tokens[1 : n + 1] != list(drafts):
+                raise RuntimeError(
+                    f"treespec: request {rid} was scheduled with draft tokens that are not "
+                    "its proposed tree's; the worker lost the tree"
+                )
+            i = batch.req_id_to_index[rid]
+            if int(num_scheduled_tokens[i]) != n + 1:
+                raise RuntimeError(
+                    f"treespec: request {rid} has {n} drafts but {num_scheduled_tokens[i]} "
+                    "scheduled tokens (a tree must be verified in one forward)"
+                )
+            tree = prop.tree
+            if n + 1 < tree.num_nodes:
+                tree = tree_of(tuple(tree.parents.tolist()[: n + 1]))
+            idx.append(i)
+            rids.append(rid)
+            prefix.append(int(batch.num_computed_tokens_cpu[i]))
+            trees.append(tree)
+            toks.append(prop.tokens[: n + 1])
+        if not idx:
+            return
+        starts = [int(qsl[i]) for i in idx]
+        rows = torch.cat(
+            [torch.arange(s, s + t.num_nodes, dtype=torch.int64) for s, t in zip(starts, trees)]
+        )
+        depth = torch.cat([t.depth for t in trees])
+        if self.cfg.debug_disable != "positions":
+            plen = torch.tensor(prefix, dtype=torch.int64).repeat_interleave(
+                torch.tensor([t.num_nodes for t in trees])
+            )
+            r.positions[rows] = (plen + depth).to(r.positions.dtype)
+        self.verify = _Verify(idx, rids, prefix, trees, toks)
+        if self.cfg.debug_disable == "mask":
+            return  # vLLM's causal attention over the tree rows: the planted bug
+        batch_trees = TreeBatch(trees)
+        attention.ACTIVE.verify = attention.TreeRows(
+            batch=batch_trees,
+            row_index=rows,
+            prefix_lens=torch.tensor(prefix, dtype=torch.int64),
+            req_rows=torch.tensor(idx, dtype=torch.int64),
+            kv_lens=[p + t.num_nodes for p, t in zip(prefix, trees)],
+        )
+
+    # ----------------------------------------------------------------- walk
+    def walk_and_compact(self, logits: torch.Tensor, spec_meta, sampler_output) -> None:
+        """Replace the tree requests' rows of vLLM's sampler output; compact their KV."""
+        v = self.verify
+        self.verify = None
+        attention.ACTIVE.verify = None
+        if v is None or spec_meta is None:
+            return
+        r = self.runner
+        sm = r.input_batch.sampling_metadata
+        n_sampled = np.asarray(spec_meta.num_draft_tokens, dtype=np.int64) + 1
+        starts = np.concatenate([[0], np.cumsum(n_sampled)[:-1]])
+        out = sampler_output.sampled_token_ids
+        moves = []  # (batch row, prefix, accepted nodes)
+        for mode in ("greedy", "target_only"):
+            sel = [j for j, i in enumerate(v.req_index) if self._mode(sm, i) == mode]
+            if not sel:
+                continue
+            trees = [v.trees[j] for j in sel]
+            tb = TreeBatch(trees)
+            first = [int(starts[v.req_index[j]]) for j in sel]
+            rows = torch.cat([torch.arange(f, f + t.num_nodes) for f, t in zip(first, trees)])
+            lg = logits[rows].float()
+            tokens = torch.tensor([t for j in sel for t in v.tokens[j]], dtype=torch.int64)
+            kw = {}
+            if mode == "target_only":
+                kw = dict(
+                    uniforms=torch.cat(
+                        [
+                            torch.rand(t.num_nodes, 2, generator=sm.generators.get(v.req_index[j]))
+                            for j, t in zip(sel, trees)
+                        ]
+                    ),
+                    temperature=sm.temperature[[v.req_index[j] for j in sel]].float().cpu(),
+                    top_p=(
+                        sm.top_p[[v.req_index[j] for j in sel]].float().cpu()
+                        if sm.top_p is not None
+                        else 1.0
+                    ),
+                )
+            res = kernels.tree_walk(
+                lg, tokens, tb, mode, backend=self.cfg.kernel_backend, check_inputs=False, **kw
+            )
+            acc_len = res.accepted_len.tolist()
+            acc_nodes = res.accepted_nodes.tolist()
+            emitted = res.output_tokens.tolist()
+            for k, j in enumerate(sel):
+                i, n = v.req_index[j], acc_len[k]
+                out[i].fill_(-1)
+                out[i, :n] = torch.tensor(emitted[k][:n], dtype=out.dtype)
+                self.stats.record(v.trees[j], n - 1)
+                moves.append((i, v.prefix_lens[j], acc_nodes[k][:n]))
+        if self.cfg.debug_disable != "compaction":
+            self._compact(moves)
+
+    @staticmethod
+    def _mode(sm, i: int) -> str:
+        if sm.all_greedy or sm.temperature is None:
+            return "greedy"
+        return "greedy" if float(sm.temperature[i]) < 1e-5 else "target_only"
+
+    def _compact(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        """Accepted nodes ``P + node_j`` -> slots ``P + j`` in every target layer."""
+        src, dst = [], []
+        bt = self.runner.input_batch.block_table.block_tables[0]
+        table, bs = bt.get_cpu_tensor(), bt.block_size
+        for i, p, nodes in moves:
+            for j, node in enumerate(nodes):
+                if node != j:
+                    src.append(_slot(table[i], bs, p + node))
+                    dst.append(_slot(table[i], bs, p + j))
+        if not src:
+            return
+        src_t = torch.tensor(src, dtype=torch.int64)
+        dst_t = torch.tensor(dst, dtype=torch.int64)
+        ctx = self.runner.compilation_config.static_forward_context
+        for name in self.target_layers:
+            layer = ctx[name]
+            kv = layer.kv_cache
+            kv = kv[0] if isinstance(kv, list) else kv
+            lay = attention.layout_for(layer.impl, layer, kv)
+            k, v = lay.gather_slots(kv, src_t)
+            layer.impl.do_kv_cache_update(layer, k.clone(), v.clone(), kv, dst_t)
+
+    # ----------------------------------------------------------------- propose
+    def propose(self, scheduler_output, sampled_token_ids) -> list[list[int]]:
+        """The next tree of every request that sampled this step (BFS draft tokens)."""
+        r = self.runner
+        batch = r.input_batch
+        budget = self.cfg.num_draft_tokens
+        want = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        out: list[list[int]] = [[] for _ in batch.req_ids]
+        todo = []
+        for i, rid in enumerate(batch.req_ids):
+            self.proposals.pop(rid, None)
+            if i >= len(sampled_token_ids) or not sampled_token_ids[i]:
+                continue
+            state = r.requests.get(rid)
+            if not tree_eligible(getattr(state, "sampling_params", None)):
+                self.stats.fallback_requests += 1
+                continue
+            n_tokens = int(batch.num_tokens_no_spec[i])
+            if n_tokens + 2 * budget + 1 > r.max_model_len:
+                continue  # too close to the end for a full tree and its draft slots
+            todo.append((i, rid, n_tokens))
+        if not todo or want == 0:
+            return out
+        if is_ngram(self.cfg.policy):
+            from tree_dev.proposer import ngram_trie
+
+            for i, rid, n_tokens in todo:
+                context = batch.token_ids_cpu[i, :n_tokens].tolist()
+                tree, tokens = ngram_trie(context, self.cfg.policy)
+                self._store(rid, tree, tokens, out, i)
+            return out
+        results = self.drafter.propose(todo)
+        for (i, rid, _), (tree, tokens) in zip(todo, results):
+            self._store(rid, tree, tokens, out, i)
+        return out
+
+    def _store(self, rid: str, tree: TokenTree, tokens: list[int], out, i: int) -> None:
+        if tree.num_nodes <= 1:
+            return
+        self.proposals[rid] = Proposal(tree, list(tokens))
+        out[i] = list(tokens[1:])
+
+
+def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
+    return int(row[pos // block_size]) * block_size + pos % block_size
