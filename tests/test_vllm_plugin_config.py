@@ -1,0 +1,71 @@
+"""The plugin's start-up checks of ``additional_config["treespec"]`` (no engine needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+
+from tree_dev.vllm_plugin import config  # noqa: E402
+
+
+def spec(method="draft_model", n=8):
+    return SimpleNamespace(method=method, num_speculative_tokens=n)
+
+
+def test_valid_configs_parse():
+    cfg = config.parse({"tree": "topk:k=2,depth=4,budget=8"}, spec())
+    assert (cfg.method, cfg.num_draft_tokens, cfg.kernel_backend) == ("draft_model", 8, "torch")
+    assert config.parse({"tree": "chain:5"}, spec("eagle", 5)).num_draft_tokens == 5
+    paths = "paths:[(0,), (1,), (0, 0)]"
+    assert config.parse({"tree": paths}, spec(n=3)).num_draft_tokens == 3
+    assert config.parse({"tree": "ngram:budget=6"}, spec("ngram", 6)).method == "ngram"
+
+
+@pytest.mark.parametrize(
+    "section, sc, needle",
+    [
+        ({"tree": "topk:k=2,depth=4,budget=8"}, spec(n=4), "num_speculative_tokens = 4"),
+        ({"tree": "chain:3"}, spec(n=4), "has 3 draft nodes"),
+        ({"tree": "bogus:3"}, spec(), "['tree']"),
+        ({"tree": "topk:k=2,depth=x,budget=8"}, spec(), "depth=x"),
+        ({"tree": 7}, spec(), "tree spec string"),
+        ({"tree": "chain:4"}, None, "needs a speculative_config"),
+        ({"tree": "chain:4"}, spec("medusa", 4), "method 'medusa'"),
+        ({"tree": "ngram:budget=4"}, spec("draft_model", 4), "method 'draft_model'"),
+        ({"tree": "chain:4"}, spec("ngram", 4), "method 'ngram'"),
+        ({"tree": "topk:k=4,depth=4,budget=8"}, spec(), "forwards 12 draft nodes"),
+        ({"tree": "chain:4", "kernel_backend": "cuda"}, spec(n=4), "kernel_backend"),
+        ({"tree": "chain:4", "debug_disable": "walk"}, spec(n=4), "debug_disable"),
+        ({"tree": "none"}, spec(n=4), "'none'"),
+    ],
+)
+def test_bad_configs_name_the_field(section, sc, needle):
+    with pytest.raises(ValueError) as e:
+        config.parse(section, sc)
+    assert needle in str(e.value)
+
+
+def test_fp8_cache_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
+        config.parse({"tree": "chain:4"}, spec(n=4), kv_cache_dtype="fp8")
+
+
+def test_section_lookup():
+    assert config.tree_section(None) is None
+    assert config.tree_section({}) is None
+    # the accuracy tooling's keys alone do not turn trees on
+    assert config.tree_section({"treespec": {"tensor_capture": {}}}) is None
+    assert config.tree_section({"treespec": {"tree": "chain:2"}}) == {"tree": "chain:2"}
+    with pytest.raises(ValueError, match="must be a dict"):
+        config.tree_section({"treespec": "chain:2"})
+
+
+def test_draft_slots():
+    from tree_dev.spec import parse_tree_spec
+
+    assert config.draft_slots(parse_tree_spec("topk:k=2,depth=4,budget=8")) == 6
+    assert config.draft_slots(parse_tree_spec("chain:4")) == 3  # the leaf is never forwarded
+    assert config.draft_slots(parse_tree_spec("paths:[(0,), (1,), (0, 0)]")) == 1
