@@ -24,6 +24,10 @@ POLICIES = [
     "medusa:mc_sim_7b_63",
     "topk:k=3,depth=4,budget=12",
     "topk:k=2,depth=5,budget=8,temp=0.4",
+    "ngram:budget=8",
+    "ngram:budget=6,min=2,matches=2",
+    "hybrid:k=2,depth=3,budget=10,ngram=6",
+    "hybrid:k=3,depth=2,budget=6,temp=0.4,p=0.2",
 ]
 
 
@@ -180,13 +184,16 @@ def _first_token_counts(engine: Engine, prompt: list[int], draws: int) -> torch.
         ("chain:3", False),  # target_only verification of top-ranked drafts
         ("topk:k=3,depth=2,budget=6", False),
         ("paths:[(0,),(1,),(2,),(0,0),(1,0)]", True),  # draft_probs: sampled children
+        # the root (1) occurred before: the trie's first level holds 4, 5 and 9
+        ("ngram:budget=6", False),
+        ("hybrid:k=2,depth=2,budget=6,ngram=4,p=0.3", False),
     ],
 )
 def test_sampling_first_token_matches_target_distribution(spec, draft_sampling):
     vocab = 12
     target = tiny_llama(11, vocab=vocab)
     draft = perturbed(target, 0.5, seed=2)
-    prompt = [3, 1, 4, 1, 5]
+    prompt = [3, 1, 4, 1, 5, 1, 9, 1]
     with torch.no_grad():
         p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
     engine = Engine(target, draft, tree=spec, max_batch=128, draft_sampling=draft_sampling)
@@ -346,3 +353,22 @@ def test_decode_attention_equals_tree_attention_on_paged_blocks():
     )
     want, _ = treespec_attention(layer, q, k_new, v_new, None, 0.3, tree_ctx=tree)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["ngram:budget=8,matches=4", "hybrid:k=2,depth=3,budget=10"])
+def test_greedy_proof_fails_without_the_tree_mask(models, prompts_and_greedy, spec, monkeypatch):
+    """The 50-prompt proof can fail: verify trees under a causal chain mask (each node
+    sees every earlier node, siblings too) and the outputs leave the target's greedy."""
+    import tree_dev.engine as engine_mod
+    from tree_dev.tree import TokenTree, TreeBatch
+
+    target, _, draft = models
+    prompts, want = prompts_and_greedy
+
+    def chain_masks(trees, device):
+        return TreeBatch([TokenTree.chain(t.num_nodes - 1) for t in trees], device=device)
+
+    monkeypatch.setattr(engine_mod, "_batch_of", chain_masks)
+    engine = Engine(target, draft, tree=spec, max_batch=16)
+    got = engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert sum(g != w for g, w in zip(got, want)) > 0

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tests.factories import tiny_llama
 from tree_dev.engine import Engine, SamplingParams
-from tree_dev.proposer import TreeExpansion, ngram_matches, ngram_trie
+from tree_dev.proposer import TreeExpansion, expansion_for, ngram_matches, ngram_trie
 from tree_dev.spec import parse_tree_spec
 
 VOCAB = 16
@@ -308,3 +308,92 @@ def test_ngram_trie_bad_input():
         ngram_trie([], parse_tree_spec("ngram:budget=2"))
     with pytest.raises(ValueError, match="must be an NgramPolicy"):
         ngram_trie([1, 2], parse_tree_spec("chain:2"))
+
+
+# --------------------------------------------------------------------------- hybrid
+def _row(probs: dict[int, float], vocab: int = 8) -> torch.Tensor:
+    """A log-prob row with the given token probabilities, the rest spread evenly."""
+    rest = (1 - sum(probs.values())) / (vocab - len(probs))
+    p = torch.full((vocab,), rest)
+    for t, q in probs.items():
+        p[t] = q
+    return p.log()[None]
+
+
+@pytest.mark.parametrize(
+    "spec,root_row,parents,tokens",
+    [
+        # draft: 2 (q=.6); trie 6 -> 7 with q(6)=.1 floored to p=.5, 7 unseen: p
+        ("hybrid:k=1,depth=1,budget=3,ngram=2", {2: 0.6, 6: 0.1}, [-1, 0, 0, 2], [5, 2, 6, 7]),
+        ("hybrid:k=1,depth=1,budget=2,ngram=2", {2: 0.6, 6: 0.1}, [-1, 0, 0], [5, 2, 6]),
+        # p=.7 lifts the trie above the draft's top-1 (.6): 6 first, then 2, then 7
+        (
+            "hybrid:k=1,depth=1,budget=3,ngram=2,p=0.7",
+            {2: 0.6, 6: 0.1},
+            [-1, 0, 0, 1],
+            [5, 6, 2, 7],
+        ),
+        # p=.05: the trie's 6 scores its draft q=.1 (log .1), 7 then log .1 + log .05
+        (
+            "hybrid:k=2,depth=1,budget=3,ngram=2,p=0.05",
+            {2: 0.6, 3: 0.2, 6: 0.1},
+            [-1, 0, 0, 0],
+            [5, 2, 3, 6],
+        ),
+        # the draft's top-1 is the trie's 6: one node, the chain 6 -> 7 (7 at log .6 + log .5)
+        ("hybrid:k=1,depth=1,budget=2,ngram=2", {6: 0.6, 2: 0.3}, [-1, 0, 1], [5, 6, 7]),
+    ],
+)
+def test_hybrid_ranks_draft_and_ngram_nodes_on_one_scale(spec, root_row, parents, tokens):
+    ex = expansion_for(parse_tree_spec(spec), 5, context=[5, 6, 7, 5])
+    assert ex.frontier() == [-1]
+    ex.absorb(_row(root_row))
+    assert ex.frontier() == []
+    tree, toks, q = ex.result()
+    assert (tree.parents.tolist(), toks, q) == (parents, tokens, None)
+
+
+def test_hybrid_uses_the_draft_probability_deeper_in_the_trie():
+    # depth 2: the draft saw the trie's 6 (its top-1) and gives 7 q=.9 there: 7 at
+    # log .6 + log .9 beats the draft's second child 2 (log .3)
+    ex = expansion_for(parse_tree_spec("hybrid:k=1,depth=2,budget=2,ngram=2"), 5, [5, 6, 7, 5])
+    ex.absorb(_row({6: 0.6, 2: 0.3}))
+    assert ex.frontier() == [0] and ex.token(0) == 6
+    ex.absorb(_row({7: 0.9}))
+    tree, toks, _ = ex.result()
+    assert tree.parents.tolist() == [-1, 0, 1] and toks == [5, 6, 7]
+    assert ex.node_of(0) == 1 and ex.node_of(1) == 2  # the top-K candidates 6 and 7
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    salt=st.integers(0, 10**6),
+    context=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    budget=st.integers(1, 16),
+    p=st.sampled_from([0.05, 0.3, 0.9]),
+)
+def test_hybrid_tree_is_a_budgeted_merge_of_the_topk_tree_and_the_trie(salt, context, budget, p):
+    spec = f"hybrid:k=2,depth=3,budget={budget},ngram=6,p={p}"
+    policy = parse_tree_spec(spec)
+    ex = expansion_for(policy, context[-1], context=context)
+    while ex.frontier():
+        rows = [path_scores((ex.token(c), c), salt) for c in ex.frontier()]
+        ex.absorb(torch.log_softmax(torch.stack(rows), -1))
+    tree, tokens, _ = ex.result()  # TokenTree() itself rejects a parent after its child
+    assert tree.num_nodes <= budget + 1
+    seen = set()
+    for i in range(1, tree.num_nodes):
+        key = (int(tree.parents[i]), tokens[i])
+        assert key not in seen  # equal paths merged
+        seen.add(key)
+    # every node is a top-K candidate's path or a path of the n-gram trie
+    trie, trie_tokens = ngram_trie(context, policy.ngram)
+    allowed = {tuple(trie_tokens[a] for a in trie.path_to(i)) for i in range(trie.num_nodes)}
+    for c in range(ex.inner.num_candidates):
+        cur, toks = c, []
+        while cur != -1:
+            toks.append(ex.inner.token(cur))
+            cur = ex.inner.parent(cur)
+        allowed.add((context[-1], *reversed(toks)))
+    for i in range(tree.num_nodes):
+        assert tuple(tokens[a] for a in tree.path_to(i)) in allowed

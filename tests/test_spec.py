@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tree_dev.spec import NgramPolicy, NoDraftPolicy, StaticPolicy, TopKPolicy, parse_tree_spec
+from tree_dev.spec import (
+    HybridPolicy,
+    NgramPolicy,
+    NoDraftPolicy,
+    StaticPolicy,
+    TopKPolicy,
+    parse_tree_spec,
+)
 from tree_dev.tree import MC_SIM_7B_63, TokenTree
 
 
@@ -26,6 +33,11 @@ def test_every_kind_parses_to_its_policy():
     full = parse_tree_spec("ngram:budget=6,min=2,max=5,matches=3,depth=4")
     assert (full.budget, full.min_n, full.max_n, full.matches, full.depth) == (6, 2, 5, 3, 4)
     assert parse_tree_spec("ngram:budget=6,min=4").max_n == 4  # max defaults to >= min
+    hy = parse_tree_spec("hybrid:k=2,depth=6,budget=16,temp=0.3,ngram=8,max=4,ndepth=5,p=0.3")
+    assert isinstance(hy, HybridPolicy) and (hy.budget, hy.p) == (16, 0.3)
+    assert (hy.topk.k, hy.topk.depth, hy.topk.budget, hy.topk.temp) == (2, 6, 16, 0.3)
+    assert (hy.ngram.budget, hy.ngram.max_n, hy.ngram.depth, hy.ngram.matches) == (8, 4, 5, 4)
+    assert parse_tree_spec("hybrid:k=1,depth=2,budget=5").ngram.budget == 5
 
 
 @pytest.mark.parametrize(
@@ -36,6 +48,7 @@ def test_every_kind_parses_to_its_policy():
         ("paths:[(0,),(1,),(0,0)]", 4, 3),
         ("topk:k=4,depth=5,budget=32", 33, 32),
         ("ngram:budget=10", 11, 10),
+        ("hybrid:k=2,depth=3,budget=12,ngram=20", 13, 12),
     ],
 )
 def test_every_policy_has_max_nodes_and_draft_budget(spec, max_nodes, draft_budget):
@@ -67,6 +80,12 @@ def test_every_policy_has_max_nodes_and_draft_budget(spec, max_nodes, draft_budg
         ("ngram:budget=x", "'budget=x' .* is not an integer"),
         ("ngram:budget=4,budget=5", "'budget' given twice"),
         ("ngram:budget=4,matches=0", "matches= must be >= 1"),
+        ("hybrid:k=2,budget=4", r"missing \['depth'\]"),
+        ("hybrid:k=2,depth=2,budget=4,p=0", r"p= must be in \(0, 1\]"),
+        ("hybrid:k=2,depth=2,budget=4,p=x", "'p=x' .* is not a number"),
+        ("hybrid:k=2,depth=2,budget=4,temp=0", "temp must be > 0"),
+        ("hybrid:k=2,depth=2,budget=4,min=3,max=2", r"min= \(3\) exceeds max="),
+        ("hybrid:k=2,depth=2,budget=4,width=1", "bad field 'width=1'"),
     ],
 )
 def test_bad_specs_name_the_problem(spec, message):

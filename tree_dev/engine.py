@@ -11,9 +11,12 @@ A token's life, top to bottom of this file:
    **proposes** a token tree below the root: a static tree (``chain:K``,
    ``paths:[...]``, ``medusa:NAME``: the draft's top-ranked tokens at each node)
    or the dynamic top-K tree (``topk:k=,depth=,budget=``: expand the k best nodes
-   by cumulative log-probability per level, keep the best ``budget``). Each
-   level is one packed draft forward that reuses the draft's KV of earlier
-   levels.
+   by cumulative log-probability per level, keep the best ``budget``), or the
+   top-K tree merged with the context's n-gram trie (``hybrid:``). Each level is
+   one packed draft forward that reuses the draft's KV of earlier levels; the
+   tree-growing rules are ``tree_dev.proposer``'s, shared with the vLLM plugin.
+   ``ngram:`` tries (matches of the context's suffix in prompt + output) need no
+   draft model; ``none`` proposes the root alone.
 4. The **target verifies** every node of every request's tree in one packed
    forward: tree attention (``kernels.tree_attention``) through the
    ``"treespec"`` ``AttentionInterface`` implementation.
@@ -22,6 +25,11 @@ A token's life, top to bottom of this file:
    ``draft_probs`` for sampled drafts), ``kernels.kv_compact`` keeps exactly the
    accepted path's K/V, and the bonus token is the next root.
 6. Finished requests leave the batch and their KV blocks are freed.
+
+A step whose every tree is the root alone is a plain decode: one SDPA call per
+request and layer over a view of its cache, the next token drawn directly (no
+tree attention plan, no walk, no compaction); compaction also runs only when an
+accepted path is not already in place.
 """
 
 from __future__ import annotations
@@ -42,8 +50,15 @@ from kernels.torchops.tree_walk import sample_inverse_cdf
 from tree_dev.attention import TreeForward, register
 from tree_dev.kv_cache import PagedKVCache
 from tree_dev.onednn_linear import use_onednn_linears
-from tree_dev.proposer import TreeExpansion, tree_of
-from tree_dev.spec import NoDraftPolicy, Policy, StaticPolicy, parse_tree_spec
+from tree_dev.proposer import expansion_for, ngram_trie, tree_of
+from tree_dev.spec import (
+    HybridPolicy,
+    NgramPolicy,
+    NoDraftPolicy,
+    Policy,
+    StaticPolicy,
+    parse_tree_spec,
+)
 from tree_dev.tree import TokenTree, TreeBatch
 
 PREFILL_CHUNK = 256
@@ -366,10 +381,13 @@ class Engine:
             draft = load_causal_lm(draft, dtype=next(target.parameters()).dtype)
         if draft is not None and eagle is not None:
             raise ValueError("give either a draft model or an EAGLE head, not both")
-        if not isinstance(self.policy, NoDraftPolicy) and draft is None and eagle is None:
+        uses_draft = not isinstance(self.policy, (NoDraftPolicy, NgramPolicy))
+        if uses_draft and draft is None and eagle is None:
             raise ValueError(f"tree {tree!r} needs a draft model or an EAGLE head")
         vocab = target.config.vocab_size
         drafter = draft if draft is not None else eagle
+        if not uses_draft:  # plain decoding and n-gram tries run no draft
+            drafter = draft = eagle = None
         if drafter is not None and drafter.config.vocab_size != vocab:
             raise ValueError(
                 f"draft vocabulary ({drafter.config.vocab_size}) differs from "
@@ -534,6 +552,8 @@ class Engine:
     def _propose(self, batch: list[Request]) -> list[Proposal]:
         if isinstance(self.policy, NoDraftPolicy):
             return [Proposal(TokenTree.chain(0), [r.root]) for r in batch]
+        if isinstance(self.policy, NgramPolicy):
+            return [Proposal(*ngram_trie(r.prompt + r.output, self.policy)) for r in batch]
         dr = self.draft_runner
         # 1. long catch-ups (a new prompt) are prefilled in chunks; short ones (the
         #    last step's accepted tokens) ride along as the trunk of the first level
@@ -733,9 +753,10 @@ class _TreeGrower:
     def __init__(self, req: Request, policy: Policy, can_draft: bool = True):
         self.req = req
         self.can_draft = can_draft  # False: an EAGLE head has no feature for this root yet
-        self.expansion = TreeExpansion(
+        self.expansion = expansion_for(
             policy,
             req.root,
+            context=req.prompt + req.output if isinstance(policy, HybridPolicy) else None,
             sample_temperature=req.params.temperature if req.sampled_drafts else None,
             generator=req.generator,
         )

@@ -22,6 +22,9 @@ One implementation, used by the local engine (``tree_dev.engine``) and the vLLM 
 
 - ``ngram_trie``: no draft model. The trie of the continuations of several n-gram
   matches of the context's suffix inside the context (prompt + output).
+- ``HybridExpansion``: a top-K expansion and the n-gram trie merged under one budget,
+  ranked on the draft's cumulative log-probability scale (``HybridPolicy``).
+- ``expansion_for``: the expansion a policy needs.
 
 Candidate ids are creation order: 0, 1, ... as ``absorb`` creates them; ``-1`` is the
 root (the last committed token, node 0 of the result).
@@ -29,13 +32,14 @@ root (the last committed token, node 0 of the result).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
 import torch
 
-from tree_dev.spec import NgramPolicy, NoDraftPolicy, StaticPolicy, TopKPolicy
+from tree_dev.spec import HybridPolicy, NgramPolicy, NoDraftPolicy, StaticPolicy, TopKPolicy
 from tree_dev.tree import TokenTree
 
 ROOT = -1
@@ -337,3 +341,144 @@ def ngram_trie(context: Sequence[int], policy: NgramPolicy) -> tuple[TokenTree, 
         parents.append(index[parent[i]])
         tokens.append(token[i])
     return tree_of(tuple(parents)), tokens
+
+
+# --------------------------------------------------------------------------- hybrid
+class HybridExpansion:
+    """The draft's top-K tree and the context's n-gram trie, ranked on one scale.
+
+    The draft grows the top-K tree exactly as ``TreeExpansion`` does (same frontier,
+    same draft forwards); the n-gram trie is fixed up front from the context. Both
+    are merged (a path found by both is one node) and every node is scored by a
+    cumulative log-probability: a top-K candidate by the draft's (at the ranking
+    temperature), an n-gram node by its parent's score plus ``log(max(q, p))``,
+    where ``q`` is the draft's probability of the node's token at the parent when
+    the draft saw the parent (the root always; deeper nodes when the top-K tree
+    holds the same path), else unknown (``p`` alone). A node found by both takes the
+    larger score. Scores never increase from parent to child, and ties go to the
+    shallower node, then creation order (top-K candidates, then new n-gram nodes
+    breadth-first), so the best ``budget`` nodes always include their ancestors.
+
+    Same interface as ``TreeExpansion`` (the frontier is the top-K tree's).
+    """
+
+    def __init__(self, policy: HybridPolicy, root_token: int, context: Sequence[int]):
+        if not isinstance(policy, HybridPolicy):
+            raise ValueError(f"policy must be a HybridPolicy, got {type(policy).__name__}")
+        if len(context) == 0 or int(context[-1]) != int(root_token):
+            raise ValueError("context must end with the root token")
+        self.policy = policy
+        self.inner = TreeExpansion(policy.topk, root_token)
+        tree, tokens = ngram_trie(context, policy.ngram)
+        self._ng_parents = tree.parents.tolist()
+        self._ng_tokens = tokens
+        self._ng_children: dict[int, list[int]] = {}
+        for i in range(1, len(tokens)):
+            self._ng_children.setdefault(self._ng_parents[i], []).append(i)
+        self._ng_of_cand: dict[int, int] = {ROOT: 0}  # inner candidate -> trie node, same path
+        self._edge_lp: dict[int, float] = {}  # trie node -> draft log-prob at its parent
+        self._node: dict[int, int] | None = None
+        self._log_p = float(np.log(policy.p))
+
+    def frontier(self) -> list[int]:
+        return self.inner.frontier()
+
+    def parent(self, cand: int) -> int:
+        return self.inner.parent(cand)
+
+    def token(self, cand: int) -> int:
+        return self.inner.token(cand)
+
+    def depth(self, cand: int) -> int:
+        return self.inner.depth(cand)
+
+    def absorb(self, logprobs: torch.Tensor) -> None:
+        """As ``TreeExpansion.absorb``; also reads the draft's log-probabilities of the
+        n-gram children of frontier nodes that lie on the trie."""
+        nodes = self.inner.frontier()
+        self.inner.absorb(logprobs)
+        lp = logprobs.detach().float().cpu()
+        if self.policy.topk.temp != 1.0:
+            lp = torch.log_softmax(lp / self.policy.topk.temp, dim=-1)
+        for row, cand in enumerate(nodes):
+            trie = self._trie_node(cand)
+            for child in self._ng_children.get(trie, []) if trie is not None else []:
+                self._edge_lp[child] = float(lp[row, self._ng_tokens[child]])
+
+    def _trie_node(self, cand: int) -> int | None:
+        if cand in self._ng_of_cand:
+            return self._ng_of_cand[cand]
+        parent = self._trie_node(self.inner.parent(cand))
+        node = None
+        if parent is not None:
+            tok = self.inner.token(cand)
+            node = next(
+                (c for c in self._ng_children.get(parent, []) if self._ng_tokens[c] == tok), None
+            )
+        self._ng_of_cand[cand] = node
+        return node
+
+    def result(self) -> tuple[TokenTree, list[int], None]:
+        """The merged tree (breadth-first, node 0 = root), tokens per node, None."""
+        inner = self.inner
+        # unified nodes: 0 = root, then the top-K candidates, then new n-gram nodes
+        parent, token, score, depth = [-1], [inner.root_token], [0.0], [0]
+        of_cand = {ROOT: 0}
+        key: dict[tuple[int, int], int] = {}
+        for c in range(inner.num_candidates):
+            u = len(token)
+            of_cand[c] = u
+            parent.append(of_cand[inner.parent(c)])
+            token.append(inner.token(c))
+            score.append(inner.score(c))
+            depth.append(inner.depth(c))
+            key[(parent[u], token[u])] = u
+        of_trie = {0: 0}
+        for i in range(1, len(self._ng_tokens)):
+            pu = of_trie[self._ng_parents[i]]
+            edge = max(self._edge_lp.get(i, -math.inf), self._log_p)
+            s = score[pu] + edge
+            u = key.get((pu, self._ng_tokens[i]))
+            if u is None:
+                u = len(token)
+                parent.append(pu)
+                token.append(self._ng_tokens[i])
+                score.append(s)
+                depth.append(depth[pu] + 1)
+                key[(pu, token[u])] = u
+            else:
+                score[u] = max(score[u], s)
+            of_trie[i] = u
+        ranked = sorted(range(1, len(token)), key=lambda u: (-score[u], depth[u], u))
+        keep = sorted(ranked[: self.policy.budget], key=lambda u: (depth[u], -score[u], u))
+        index = {0: 0}
+        parents, tokens = [-1], [inner.root_token]
+        for u in keep:
+            index[u] = len(parents)
+            parents.append(index[parent[u]])
+            tokens.append(token[u])
+        self._node = {c: index[u] for c, u in of_cand.items() if u in index}
+        return tree_of(tuple(parents)), tokens, None
+
+    def node_of(self, cand: int) -> int:
+        """After ``result()``: the tree node of a kept top-K candidate."""
+        if self._node is None:
+            raise ValueError("node_of: call result() first")
+        if cand not in self._node:
+            raise ValueError(f"candidate {cand!r} is not in the proposed tree")
+        return self._node[cand]
+
+
+def expansion_for(
+    policy: StaticPolicy | TopKPolicy | HybridPolicy | NoDraftPolicy,
+    root_token: int,
+    context: Sequence[int] | None = None,
+    sample_temperature: float | None = None,
+    generator: torch.Generator | None = None,
+) -> TreeExpansion | HybridExpansion:
+    """The expansion ``policy`` needs (``context``, ending in the root: hybrid only)."""
+    if isinstance(policy, HybridPolicy):
+        if sample_temperature is not None:
+            raise ValueError("sample_temperature needs a static tree, not a hybrid one")
+        return HybridExpansion(policy, root_token, context if context is not None else [root_token])
+    return TreeExpansion(policy, root_token, sample_temperature, generator)

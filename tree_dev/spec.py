@@ -12,6 +12,14 @@
   the continuations (``depth`` tokens each, default ``budget``) of the ``matches``
   best n-gram matches (``min <= n <= max`` tokens) of the context's suffix in the
   prompt + output, at most ``budget`` draft nodes (``tree_dev.proposer.ngram_trie``).
+- ``hybrid:k=2,depth=6,budget=16[,temp=T][,ngram=N,min=,max=,matches=,ndepth=][,p=0.5]``:
+  the draft's top-K tree (``k``, ``depth``, ``temp`` as for ``topk``) and the n-gram
+  trie (``ngram`` nodes, default ``budget``; ``min``/``max``/``matches`` as for
+  ``ngram``; ``ndepth`` its continuation length, default ``ngram``) merged, equal
+  paths once, and ranked together by cumulative log-probability: a top-K node by
+  the draft's, an n-gram edge by ``log(max(q, p))`` with ``q`` the draft's
+  probability of that token where the draft saw the parent; the best ``budget``
+  kept (``tree_dev.proposer.HybridExpansion``).
 
 Every policy has ``max_nodes`` (root included) and ``draft_budget`` (draft nodes,
 ``max_nodes - 1``).
@@ -101,13 +109,35 @@ class NoDraftPolicy:
         return 0
 
 
-Policy = StaticPolicy | TopKPolicy | NgramPolicy | NoDraftPolicy
+@dataclass(frozen=True)
+class HybridPolicy:
+    """The draft's top-K tree and the n-gram trie, ranked on one scale, ``budget`` kept."""
+
+    topk: TopKPolicy
+    ngram: NgramPolicy
+    budget: int
+    spec: str
+    p: float = 0.5  # floor of an n-gram edge's probability
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget + 1
+
+    @property
+    def draft_budget(self) -> int:
+        return self.budget
 
 
-def _int_fields(spec: str, arg: str, names: tuple[str, ...]) -> dict[str, int]:
+Policy = StaticPolicy | TopKPolicy | NgramPolicy | HybridPolicy | NoDraftPolicy
+
+
+def _int_fields(
+    spec: str, arg: str, names: tuple[str, ...], floats: tuple[str, ...] = ()
+) -> dict[str, float]:
     """``a=1,b=2`` -> ``{"a": 1, "b": 2}``; ValueError naming an unknown, repeated or
-    non-integer field, or one < 1."""
-    fields: dict[str, int] = {}
+    non-integer field, or one < 1 (``floats``: number fields, checked by the caller)."""
+    fields: dict[str, float] = {}
+    names = names + floats
     for part in arg.split(","):
         name, eq, value = part.partition("=")
         name = name.strip()
@@ -118,10 +148,11 @@ def _int_fields(spec: str, arg: str, names: tuple[str, ...]) -> dict[str, int]:
         if name in fields:
             raise ValueError(f"field {name!r} given twice in {spec!r}")
         try:
-            fields[name] = int(value)
+            fields[name] = float(value) if name in floats else int(value)
         except ValueError:
-            raise ValueError(f"field {part!r} in {spec!r} is not an integer") from None
-        if fields[name] < 1:
+            what = "a number" if name in floats else "an integer"
+            raise ValueError(f"field {part!r} in {spec!r} is not {what}") from None
+        if name not in floats and fields[name] < 1:
             raise ValueError(f"field {name}= must be >= 1 in {spec!r}")
     return fields
 
@@ -136,6 +167,33 @@ def _parse_ngram(spec: str, arg: str) -> NgramPolicy:
     return NgramPolicy(f["budget"], spec, lo, hi, f.get("matches", 4), f.get("depth", f["budget"]))
 
 
+def _parse_hybrid(spec: str, arg: str) -> HybridPolicy:
+    names = ("k", "depth", "budget", "ngram", "min", "max", "matches", "ndepth")
+    f = _int_fields(spec, arg, names, floats=("temp", "p"))
+    missing = {"k", "depth", "budget"} - set(f)
+    if missing:
+        raise ValueError(f"{spec!r} is missing {sorted(missing)}")
+    temp, p = f.get("temp", 1.0), f.get("p", 0.5)
+    if not 0 < temp < float("inf"):
+        raise ValueError(f"temp must be > 0 in {spec!r}")
+    if not 0 < p <= 1:
+        raise ValueError(f"field p= must be in (0, 1] in {spec!r}")
+    budget = int(f["budget"])
+    topk = TopKPolicy(int(f["k"]), int(f["depth"]), budget, spec, temp)
+    ng = ",".join(
+        f"{name}={int(f[key])}"
+        for name, key in (
+            ("min", "min"),
+            ("max", "max"),
+            ("matches", "matches"),
+            ("depth", "ndepth"),
+        )
+        if key in f
+    )
+    ngram = _parse_ngram(spec, f"budget={int(f.get('ngram', budget))}" + (f",{ng}" if ng else ""))
+    return HybridPolicy(topk, ngram, budget, spec, p)
+
+
 def parse_tree_spec(spec: str) -> Policy:
     """Parse a tree spec string; raises ``ValueError`` naming the bad part."""
     if not isinstance(spec, str) or not spec.strip():
@@ -147,7 +205,7 @@ def parse_tree_spec(spec: str) -> Policy:
     if not sep:
         raise ValueError(
             f"unknown tree spec {spec!r}; expected none, chain:K, paths:[...], "
-            "medusa:NAME, topk:k=..,depth=..,budget=.. or ngram:budget=.."
+            "medusa:NAME, topk:k=..,depth=..,budget=.., ngram:budget=.. or hybrid:.."
         )
     if kind == "chain":
         try:
@@ -194,4 +252,6 @@ def parse_tree_spec(spec: str) -> Policy:
         return TopKPolicy(int(fields["k"]), int(fields["depth"]), int(fields["budget"]), spec, temp)
     if kind == "ngram":
         return _parse_ngram(spec, arg)
+    if kind == "hybrid":
+        return _parse_hybrid(spec, arg)
     raise ValueError(f"unknown tree spec kind {kind!r} in {spec!r}")
