@@ -1,7 +1,8 @@
 """Stage gates: one benchmark with a threshold per serve-integration stage.
 
-    python -m bench.gates [--quick] [--config bench/gates.toml] [--out results/gates.json]
-                          [--tree SPEC] [--models DIR] [--kernel-backend NAME] [--random-tiny]
+    python -m bench.gates [--quick] [--engine local|vllm] [--config bench/gates.toml]
+                          [--out results/gates.json] [--tree SPEC] [--models DIR]
+                          [--kernel-backend NAME] [--random-tiny]
 
 Runs the stages in order and stops at the first failure, printing what it measured
 and the threshold (the stages after it are reported as never run):
@@ -17,6 +18,14 @@ and the threshold (the stages after it are reported as never run):
 4. ``serve``: ``serve.py`` in a subprocess on a free 127.0.0.1 port returns the offline
    engine's greedy outputs over HTTP, and its throughput with the tree policy is at
    least that of ``--tree none`` at concurrency 1 (servers measured side by side).
+
+With ``--engine vllm`` (report ``results/gates_vllm.json``) the same four stages vouch
+for ``serve.py --engine vllm``: the kernels stage is the same (the plugin runs the same
+ops); ``verify`` runs ``vllm.LLM`` with exactly the engine arguments the server passes
+and compares its greedy output with the target's; ``propose`` compares the plugin's
+top-K tree tau with vLLM's own chain at the same budget (vLLM's spec-decode counters);
+``serve`` starts ``serve.py --engine vllm`` (policy, and ``--tree none``) and checks
+the HTTP greedy outputs against the target's and the throughput ratio.
 
 Sizes and thresholds live in ``bench/gates.toml`` (``[quick.*]`` tables override them
 under ``--quick``). The model set, tree policy and drafter are chosen exactly as
@@ -69,7 +78,7 @@ STAGES = ("kernels", "verify", "propose", "serve")  # the order they run in (ser
 # --------------------------------------------------------------------------- config
 #: Every key of the config file and its type; a missing, unknown or mistyped key is an error.
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "run": {"models": str, "tree": str, "kernel_backend": str, "threads": int},
+    "run": {"engine": str, "models": str, "tree": str, "kernel_backend": str, "threads": int},
     "kernels": {
         "report_size": str,
         "repeats": int,
@@ -178,6 +187,11 @@ def load_config(path: str | Path | None = None, quick: bool = False) -> dict[str
 
 
 def _check_values(path: Path, cfg: dict[str, dict[str, Any]]) -> None:
+    if cfg["run"]["engine"] not in serve_config.ENGINES:
+        raise ConfigError(
+            f"{path}: [run] engine must be one of {', '.join(serve_config.ENGINES)}, "
+            f"got {cfg['run']['engine']!r}"
+        )
     k = cfg["kernels"]
     if k["report_size"] not in ("small", "tiny"):
         raise ConfigError(f"{path}: [kernels] report_size must be 'small' or 'tiny'")
@@ -310,7 +324,7 @@ class Context:
     _models: Any = None
 
     def serve_argv(self, tree: str | None = None) -> list[str]:
-        argv = ["--engine", "local", "--kernel-backend", self.run["kernel_backend"]]
+        argv = ["--engine", self.engine, "--kernel-backend", self.run["kernel_backend"]]
         if self.run["models"]:
             argv += ["--model", self.run["models"]]
         spec = self.run["tree"] if tree is None else tree
@@ -319,6 +333,11 @@ class Context:
         if self.run["threads"]:
             argv += ["--torch-threads", str(self.run["threads"])]
         return argv
+
+    @property
+    def engine(self) -> str:
+        """``local`` or ``vllm``: whose server the gates vouch for ([run] engine)."""
+        return self.run.get("engine") or "local"
 
     @property
     def serve_cfg(self):
@@ -374,6 +393,7 @@ class Context:
     def report_config(self) -> dict[str, Any]:
         cfg = self.serve_cfg
         return {
+            "engine": self.engine,
             "tree": cfg.tree,
             "drafter": cfg.drafter,
             "drafter_path": str(cfg.drafter_path) if cfg.drafter_path else None,
@@ -609,7 +629,7 @@ async def _http_greedy(base: str, model: str, prompts: list[str], max_tokens: in
 
 def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
     """serve.py over HTTP: greedy outputs vs the offline engine, throughput tree vs none."""
-    from bench.serve_load import ServerProcess, make_prompts, run_level
+    from bench.serve_load import ServerProcess, make_prompts
     from tree_dev.server.app import load_engine
 
     scfg = ctx.serve_cfg
@@ -666,71 +686,7 @@ def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[st
         ]
         if not checks[0].passed:
             return checks, detail
-        tps: dict[str, list[float]] = {"tree": [], "none": []}
-        cpu_tps: dict[str, list[float]] = {"tree": [], "none": []}
-        taus: list[float] = []
-        for name, s in servers.items():  # warm-up
-            asyncio.run(run_level(s.base, infos[name]["id"], 1, 1, texts, 8))
-        for r in range(cfg["rounds"]):
-            # Round r: the same fresh prompts for both servers, which go in alternating order.
-            prompts = texts[r * per_round :] + texts[: r * per_round]
-            for name in ("tree", "none") if r % 2 == 0 else ("none", "tree"):
-                s = servers[name]
-                cpu0 = _cpu_seconds(s.proc.pid)
-                lv = asyncio.run(
-                    run_level(
-                        s.base,
-                        infos[name]["id"],
-                        1,
-                        per_round,
-                        prompts,
-                        cfg["throughput_max_tokens"],
-                    )
-                )
-                cpu1 = _cpu_seconds(s.proc.pid)
-                tps[name].append(lv["throughput_tok_s"])
-                if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
-                    cpu_tps[name].append(lv["output_tokens"] / (cpu1 - cpu0))
-                if name == "tree" and lv["acceptance_length"]:
-                    taus.append(lv["acceptance_length"])
-        # Each round's tree / none ratio (neighbours' load hits both alike), median over rounds.
-        ratios = [t / n for t, n in zip(tps["tree"], tps["none"])]
-        med = {k: statistics.median(v) for k, v in tps.items()}
-        detail["throughput_tok_s"] = {k: [round(x, 2) for x in v] for k, v in tps.items()}
-        detail["throughput_ratio_per_round"] = [round(x, 3) for x in ratios]
-        detail["throughput_median_tok_s"] = med
-        if all(len(v) == len(ratios) for v in cpu_tps.values()):
-            detail["tokens_per_server_cpu_second"] = {
-                k: [round(x, 2) for x in v] for k, v in cpu_tps.items()
-            }
-            detail["tree_over_none_per_cpu_second"] = statistics.median(
-                t / n for t, n in zip(cpu_tps["tree"], cpu_tps["none"])
-            )
-        detail["acceptance_length"] = statistics.median(taus) if taus else None
-        detail["summary"] = (
-            f"{sum(same)}/{len(same)} HTTP outputs identical; tokens/s at concurrency 1: "
-            f"tree {med['tree']:.1f} vs none {med['none']:.1f} (medians), ratio per round "
-            f"{detail['throughput_ratio_per_round']}, server tau "
-            f"{detail['acceptance_length'] or 0:.2f}"
-        )
-        if "tree_over_none_per_cpu_second" in detail:
-            detail["summary"] += (
-                f"; per server CPU second: {detail['tree_over_none_per_cpu_second']:.2f}x"
-            )
-        detail["throughput_setup"] = (
-            f"concurrency 1, {cfg['rounds']} rounds of {per_round} streaming greedy requests x "
-            f"{cfg['throughput_max_tokens']} tokens on each server, servers alternating; "
-            "gated on the median over rounds of the round's tree / none tokens/s (wall clock)"
-        )
-        checks.append(
-            Check(
-                "tree_over_none_throughput",
-                statistics.median(ratios),
-                ">=",
-                cfg["min_throughput_ratio"],
-                timing=True,
-            )
-        )
+        checks.append(_throughput_check(servers, infos, texts, cfg, detail, same))
         return checks, detail
     except Exception as e:
         tails = "".join(_log_tail(s.log_path) for s in servers.values())
@@ -738,6 +694,86 @@ def stage_serve(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[st
     finally:
         for s in servers.values():
             s.stop()
+
+
+def _throughput_check(
+    servers: dict,
+    infos: dict,
+    texts: list[str],
+    cfg: dict,
+    detail: dict,
+    same: list[bool],
+    count_cpu: bool = True,
+) -> Check:
+    """Interleaved concurrency-1 rounds on the ``tree`` and ``none`` servers; fills
+    ``detail`` and returns the gated tree / none throughput check (median over rounds).
+    ``count_cpu``: also report tokens per server CPU second (one-process servers only)."""
+    from bench.serve_load import run_level
+
+    per_round = cfg["requests_per_round"]
+    tps: dict[str, list[float]] = {"tree": [], "none": []}
+    cpu_tps: dict[str, list[float]] = {"tree": [], "none": []}
+    taus: list[float] = []
+    for name, s in servers.items():  # warm-up
+        asyncio.run(run_level(s.base, infos[name]["id"], 1, 1, texts, 8))
+    for r in range(cfg["rounds"]):
+        # Round r: the same fresh prompts for both servers, which go in alternating order.
+        prompts = texts[r * per_round :] + texts[: r * per_round]
+        for name in ("tree", "none") if r % 2 == 0 else ("none", "tree"):
+            s = servers[name]
+            cpu0 = _cpu_seconds(s.proc.pid) if count_cpu else None
+            lv = asyncio.run(
+                run_level(
+                    s.base,
+                    infos[name]["id"],
+                    1,
+                    per_round,
+                    prompts,
+                    cfg["throughput_max_tokens"],
+                )
+            )
+            cpu1 = _cpu_seconds(s.proc.pid)
+            tps[name].append(lv["throughput_tok_s"])
+            if cpu0 is not None and cpu1 is not None and cpu1 > cpu0:
+                cpu_tps[name].append(lv["output_tokens"] / (cpu1 - cpu0))
+            if name == "tree" and lv["acceptance_length"]:
+                taus.append(lv["acceptance_length"])
+    # Each round's tree / none ratio (neighbours' load hits both alike), median over rounds.
+    ratios = [t / n for t, n in zip(tps["tree"], tps["none"])]
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    detail["throughput_tok_s"] = {k: [round(x, 2) for x in v] for k, v in tps.items()}
+    detail["throughput_ratio_per_round"] = [round(x, 3) for x in ratios]
+    detail["throughput_median_tok_s"] = med
+    if all(len(v) == len(ratios) for v in cpu_tps.values()):
+        detail["tokens_per_server_cpu_second"] = {
+            k: [round(x, 2) for x in v] for k, v in cpu_tps.items()
+        }
+        detail["tree_over_none_per_cpu_second"] = statistics.median(
+            t / n for t, n in zip(cpu_tps["tree"], cpu_tps["none"])
+        )
+    detail["acceptance_length"] = statistics.median(taus) if taus else None
+    detail["summary"] = (
+        f"{sum(same)}/{len(same)} HTTP outputs identical; tokens/s at concurrency 1: "
+        f"tree {med['tree']:.1f} vs none {med['none']:.1f} (medians), ratio per round "
+        f"{detail['throughput_ratio_per_round']}, server tau "
+        f"{detail['acceptance_length'] or 0:.2f}"
+    )
+    if "tree_over_none_per_cpu_second" in detail:
+        detail["summary"] += (
+            f"; per server CPU second: {detail['tree_over_none_per_cpu_second']:.2f}x"
+        )
+    detail["throughput_setup"] = (
+        f"concurrency 1, {cfg['rounds']} rounds of {per_round} streaming greedy requests x "
+        f"{cfg['throughput_max_tokens']} tokens on each server, servers alternating; "
+        "gated on the median over rounds of the round's tree / none tokens/s (wall clock)"
+    )
+    return Check(
+        "tree_over_none_throughput",
+        statistics.median(ratios),
+        ">=",
+        cfg["min_throughput_ratio"],
+        timing=True,
+    )
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -757,11 +793,212 @@ def _log_tail(path: Path, lines: int = 8) -> str:
     return f"\n--- last lines of {path}:\n" + "\n".join(text) if text else ""
 
 
+# --------------------------------------------------------------------------- vLLM stages
+def _vllm_llm(scfg, max_model_len: int, max_num_seqs: int):
+    """``vllm.LLM`` with exactly the engine arguments ``serve.py --engine vllm`` passes."""
+    import dataclasses
+
+    from tree_dev.server.config import vllm_engine_kwargs
+    from tree_dev.server.vllm_front import for_vllm
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    scfg = dataclasses.replace(for_vllm(scfg), max_model_len=max_model_len, max_batch=max_num_seqs)
+    return LLM(**vllm_engine_kwargs(scfg), seed=0)
+
+
+def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy token ids of every prompt (batched by vLLM)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _vllm_tau(llm) -> dict[str, Any]:
+    """Tokens per target forward (1 + accepted / drafts) from vLLM's spec-decode counters."""
+    counts: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+            counts[m.name.removeprefix("vllm:spec_decode_")] = float(m.value)
+    drafts = counts.get("num_drafts", 0.0)
+    tau = 1 + counts.get("num_accepted_tokens", 0.0) / drafts if drafts else 1.0
+    return {"tau": tau, "counters": counts}
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def stage_verify_vllm(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
+    """vLLM with the configured policy vs autoregressive decoding of the target (HF)."""
+    from tqdm import tqdm
+
+    from bench.e2e import held_out_prompts
+    from tree_dev.engine import load_causal_lm
+
+    scfg = ctx.serve_cfg
+    tokenizer = ctx.models().tokenizer
+    prompts = held_out_prompts(tokenizer, cfg["prompts"], cfg["prompt_tokens"])
+    reference_model = load_causal_lm(scfg.model)
+    want = [
+        greedy_reference(reference_model, p, cfg["max_tokens"])
+        for p in tqdm(prompts, desc="verify: autoregressive", disable=not ctx.progress)
+    ]
+    del reference_model
+    llm = _vllm_llm(scfg, cfg["prompt_tokens"] + cfg["max_tokens"] + 8, len(prompts))
+    try:
+        got = _vllm_generate(llm, prompts, cfg["max_tokens"])
+        tau = _vllm_tau(llm)
+    finally:
+        _shutdown(llm)
+    same = [g == w for g, w in zip(got, want)]
+    detail = {
+        "engine": "vllm",
+        "tree": scfg.tree,
+        "drafter": scfg.drafter,
+        "prompts": len(prompts),
+        "max_tokens": cfg["max_tokens"],
+        "reference": "Hugging Face forward with its own attention and KV cache, argmax",
+        "differing_prompts": {
+            str(i): f"first difference at output token {_first_difference(g, w)}"
+            for i, (g, w, s) in enumerate(zip(got, want, same))
+            if not s
+        },
+        "tau": tau["tau"],
+        "spec_decode_counters": tau["counters"],
+    }
+    detail["summary"] = (
+        f"{sum(same)}/{len(same)} prompts identical through vLLM ({scfg.drafter} "
+        f"{scfg.tree}, {cfg['max_tokens']} tokens each, tau {tau['tau']:.2f})"
+    )
+    return [Check("identical_fraction", sum(same) / len(same), ">=", cfg["min_identical"])], detail
+
+
+def stage_propose_vllm(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
+    """Inside vLLM: top-K tree tau (the plugin) vs vLLM's own chain at the same budget."""
+    import dataclasses
+
+    from bench.e2e import held_out_prompts
+    from tree_dev.server.config import vllm_plugin_available
+
+    topk, chain, budget = propose_specs(ctx.tree, cfg["topk"], cfg["fallback"])
+    if not vllm_plugin_available():
+        raise RuntimeError("the vLLM tree plugin (tree_dev.vllm_plugin) is not installed")
+    scfg = ctx.serve_cfg
+    if scfg.drafter not in ("eagle", "draft"):  # e.g. n-gram: the model set's draft for a tree
+        scfg = serve_config.resolve_config(ctx.serve_argv(tree=topk))
+    tokenizer = ctx.models().tokenizer
+    prompts = held_out_prompts(tokenizer, cfg["prompts"], cfg["prompt_tokens"])
+    detail: dict[str, Any] = {"engine": "vllm", "drafter": scfg.drafter, "budget": budget}
+    for name, spec in (("topk", topk), ("chain", chain)):
+        llm = _vllm_llm(
+            dataclasses.replace(scfg, tree=spec), cfg["prompt_tokens"] + cfg["max_tokens"] + 8, 1
+        )
+        try:
+            t0 = time.perf_counter()
+            got = [_vllm_generate(llm, [p], cfg["max_tokens"])[0] for p in prompts]  # batch 1
+            seconds = time.perf_counter() - t0
+            detail[name] = {"spec": spec, **_vllm_tau(llm)}
+            detail[name]["tokens_per_s"] = sum(len(g) for g in got) / seconds
+        finally:
+            _shutdown(llm)
+    ratio = detail["topk"]["tau"] / detail["chain"]["tau"]
+    detail["summary"] = (
+        f"vLLM, {scfg.drafter} drafter, budget {budget}: tau {topk} = "
+        f"{detail['topk']['tau']:.3f}, {chain} = {detail['chain']['tau']:.3f}"
+    )
+    return [Check("topk_over_chain_tau", ratio, ">=", cfg["min_tau_ratio"])], detail
+
+
+def stage_serve_vllm(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], dict[str, Any]]:
+    """serve.py --engine vllm over HTTP: greedy outputs vs the target's own greedy decoding,
+    throughput with the policy vs ``--tree none`` (both vLLM's server) at concurrency 1."""
+    from bench.serve_load import ServerProcess, make_prompts
+    from tree_dev.engine import load_causal_lm
+
+    scfg = ctx.serve_cfg
+    per_round = cfg["requests_per_round"]
+    texts = make_prompts(max(cfg["prompts"], per_round * cfg["rounds"]))
+    tokenizer = ctx.models().tokenizer
+    reference_model = load_causal_lm(scfg.model)
+    want = [
+        greedy_reference(reference_model, tokenizer.encode(t, add_special_tokens=False), n)
+        for t, n in zip(texts[: cfg["prompts"]], [cfg["max_tokens"]] * cfg["prompts"])
+    ]
+    del reference_model
+    common = ["--engine", "vllm", "--model", str(scfg.model)]
+    common += ["--max-batch", str(max(4, cfg["prompts"]))]
+    if scfg.tokenizer is not None:
+        common += ["--tokenizer", str(scfg.tokenizer)]
+    tree_argv = ["--tree", scfg.tree]
+    if scfg.drafter in ("eagle", "draft"):
+        flag = "--eagle-head" if scfg.drafter == "eagle" else "--draft-model"
+        tree_argv += [flag, str(scfg.drafter_path)]
+    ctx.log_dir.mkdir(parents=True, exist_ok=True)
+    servers: dict[str, ServerProcess] = {}
+    detail: dict[str, Any] = {"engine": "vllm", "tree": scfg.tree, "drafter": scfg.drafter}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        for name, argv in (("tree", tree_argv), ("none", ["--tree", "none"])):
+            log_path = ctx.log_dir / f"gates_vllm.serve-{name}.log"
+            servers[name] = ServerProcess(common + argv, log_path)
+            servers[name].wait_ready()  # one vLLM start-up at a time on a small machine
+        infos = {name: s.wait_ready() for name, s in servers.items()}
+        detail["server_tree"] = infos["tree"].get("treespec", {}).get("tree")
+        detail["server_logs"] = [str(s.log_path) for s in servers.values()]
+        replies = asyncio.run(
+            _http_greedy(
+                servers["tree"].base,
+                infos["tree"]["id"],
+                texts[: cfg["prompts"]],
+                cfg["max_tokens"],
+            )
+        )
+        got = [r["choices"][0]["token_ids"] for r in replies]
+        same = [g == w for g, w in zip(got, want)]
+        detail["reference"] = "Hugging Face greedy decoding of the target"
+        detail["differing_prompts"] = {
+            str(i): f"first difference at output token {_first_difference(g, w)}"
+            for i, (g, w, s) in enumerate(zip(got, want, same))
+            if not s
+        }
+        checks = [
+            Check("http_identical_fraction", sum(same) / len(same), ">=", cfg["min_identical"])
+        ]
+        if not checks[0].passed:
+            return checks, detail
+        checks.append(_throughput_check(servers, infos, texts, cfg, detail, same, count_cpu=False))
+        return checks, detail
+    except Exception as e:
+        tails = "".join(_log_tail(s.log_path) for s in servers.values())
+        raise RuntimeError(f"{e}{tails}") from e
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
 STAGE_FNS: dict[str, StageFn] = {
     "kernels": stage_kernels,
     "verify": stage_verify,
     "propose": stage_propose,
     "serve": stage_serve,
+}
+#: The stages of ``--engine vllm``: the same kernels, the rest through vLLM.
+VLLM_STAGE_FNS: dict[str, StageFn] = {
+    "kernels": stage_kernels,
+    "verify": stage_verify_vllm,
+    "propose": stage_propose_vllm,
+    "serve": stage_serve_vllm,
 }
 
 
@@ -802,7 +1039,9 @@ def run_gates(
     A stage that raises fails with the error in ``detail``. The report is written
     to ``out`` (atomically) before the first stage and after every stage.
     """
-    fns = STAGE_FNS if stage_fns is None else stage_fns
+    if stage_fns is None:
+        stage_fns = VLLM_STAGE_FNS if ctx.engine == "vllm" else STAGE_FNS
+    fns = stage_fns
     try:
         config = ctx.report_config()
     except Exception as e:  # noqa: BLE001 - e.g. a bad tree spec: reported, not a traceback
@@ -853,7 +1092,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gates", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the [quick.*] sizes (about 2 min)")
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="report (default: results/gates.json, results/gates_vllm.json for vllm)",
+    )
+    ap.add_argument(
+        "--engine", choices=serve_config.ENGINES, help="whose server to gate (default: [run])"
+    )
     ap.add_argument("--tree", help="tree policy (default: [run] tree, else serve.py's)")
     ap.add_argument("--models", help="model set directory (default: [run] models, else serve.py's)")
     ap.add_argument("--kernel-backend", help="default: [run] kernel_backend")
@@ -881,9 +1127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         ap.error(str(e))
     run = dict(cfg["run"])
-    for key in ("tree", "models", "kernel_backend"):
+    for key in ("tree", "models", "kernel_backend", "engine"):
         if getattr(args, key) is not None:
             run[key] = getattr(args, key)
+    if args.out is None:
+        args.out = DEFAULT_OUT if run["engine"] == "local" else serve_config.GATES_REPORTS["vllm"]
     import torch
 
     if run["threads"]:

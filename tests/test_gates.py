@@ -62,6 +62,7 @@ def test_stage_result_fails_when_any_check_fails_or_nothing_was_measured():
 # ----------------------------------------------------------------------------- config
 GOOD = """
 [run]
+engine = "local"
 models = ""
 tree = "chain:3"
 kernel_backend = "torch"
@@ -148,6 +149,7 @@ def test_committed_config_parses_in_both_modes():
         (lambda t: t.replace("[[1, 8, 64]]", "[[1, 8]]"), "shapes must be"),
         (lambda t: t.replace('["fp32"]', '["fp64"]'), "'fp64' is not"),
         (lambda t: t.replace("rounds = 3", "rounds = -3"), "rounds must be >= 0"),
+        (lambda t: t.replace('engine = "local"', 'engine = "sglang"'), r"\[run\] engine must be"),
     ],
 )
 def test_bad_config_names_the_problem(tmp_path, edit, message):
@@ -279,6 +281,7 @@ def test_serve_py_reads_the_report(ctx, tmp_path):
     """serve.py's start-up check agrees with the report: silent when every gate passed,
     naming the failed and never-run stages otherwise."""
     from tree_dev.server import gates as serve
+
     out = tmp_path / "gates.json"
     fakes = _fake_stages(dict.fromkeys(gates.STAGES, 1.0), [])
     gates.run_gates(ctx, _cfg(), out, stage_fns=fakes, log=lambda s: None)
@@ -291,6 +294,34 @@ def test_serve_py_reads_the_report(ctx, tmp_path):
     assert any("'propose' FAILED" in w and "0.5" in w for w in warnings)
     assert any("'serve' never ran" in w for w in warnings)
     assert not any("'kernels'" in w or "'verify'" in w for w in warnings)
+
+
+def test_vllm_engine_runs_the_vllm_stages_and_serve_py_tells_the_engines_apart(
+    ctx, tmp_path, monkeypatch
+):
+    """``[run] engine = "vllm"``: the vLLM stage functions run (the kernels stage is
+    shared), the report names the engine, and only a vLLM server takes it as its own."""
+    from tree_dev.server import gates as serve
+
+    assert gates.VLLM_STAGE_FNS["kernels"] is gates.STAGE_FNS["kernels"]
+    assert [gates.VLLM_STAGE_FNS[n] for n in ("verify", "propose", "serve")] == [
+        gates.stage_verify_vllm,
+        gates.stage_propose_vllm,
+        gates.stage_serve_vllm,
+    ]
+    calls: list[str] = []
+    for name, fn in _fake_stages(dict.fromkeys(gates.STAGES, 1.0), calls).items():
+        monkeypatch.setitem(gates.VLLM_STAGE_FNS, name, fn)
+    ctx.run["engine"] = "vllm"
+    monkeypatch.setattr(Context, "report_config", lambda self: {**CONFIG, "engine": self.engine})
+    out = tmp_path / "gates_vllm.json"
+    gates.run_gates(ctx, _cfg(), out, log=lambda s: None)
+    assert calls == list(gates.STAGES)
+    report = serve.read_gates_report(out)
+    assert report["config"]["engine"] == "vllm"
+    assert serve.gate_warnings(report, CONFIG["tree"], "auto", engine="vllm") == []
+    local = serve.gate_warnings(report, CONFIG["tree"], "auto", engine="local")
+    assert any("engine='vllm'" in w for w in local)
 
 
 # ----------------------------------------------------------------------------- stage pieces

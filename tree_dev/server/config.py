@@ -652,47 +652,52 @@ def vllm_additional_config(cfg: ServeConfig) -> dict[str, Any] | None:
     return ac or None
 
 
+def vllm_engine_kwargs(cfg: ServeConfig) -> dict[str, Any]:
+    """vLLM engine arguments of ``cfg``: ``LLM(**kwargs)`` runs what the server runs.
+
+    A chain runs vLLM's own chain proposer (``draft_model``, ``eagle``, ``ngram``);
+    any other tree adds ``additional_config={"treespec": {"tree": SPEC}}`` for the
+    plugin. The tokenizer is given only when the target directory holds none (vLLM
+    reads a tokenizer directory's ``config.json`` too, and the model set's
+    ``tokenizer/`` has none).
+    """
+    kw: dict[str, Any] = {
+        "model": str(cfg.model),
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_batch,
+        "dtype": cfg.dtype,
+    }
+    if cfg.tokenizer is not None and not _has_tokenizer(cfg.model):
+        kw["tokenizer"] = str(cfg.tokenizer)
+    sc = vllm_speculative_config(cfg)
+    if sc is not None:
+        kw["speculative_config"] = sc
+    ac = vllm_additional_config(cfg)
+    if ac is not None:
+        kw["additional_config"] = ac
+    if cfg.enforce_eager:
+        kw["enforce_eager"] = True
+    return kw
+
+
 def vllm_argv(cfg: ServeConfig) -> list[str]:
     """Arguments of ``python -m vllm.entrypoints.openai.api_server`` serving ``cfg``.
 
-    A chain runs vLLM's own chain proposer (``draft_model``, ``eagle``, ``ngram``);
-    any other tree adds ``--additional-config '{"treespec": {"tree": SPEC}}'`` for the
-    plugin. ``cfg.vllm_args`` (the words after ``--``) come last, so they win.
+    ``vllm_engine_kwargs`` as flags, the server's own flags (host, port, model name,
+    the ``/v1/models`` middleware, the plain chat template for a tokenizer without
+    one), then ``cfg.vllm_args`` (the words after ``--``), last so that they win.
     """
-    argv = [
-        "--model",
-        str(cfg.model),
-        "--served-model-name",
-        cfg.served_model_name,
-        "--host",
-        cfg.host,
-        "--port",
-        str(cfg.port),
-        "--max-model-len",
-        str(cfg.max_model_len),
-        "--max-num-seqs",
-        str(cfg.max_batch),
-        "--dtype",
-        cfg.dtype,
-        "--uvicorn-log-level",
-        cfg.log_level,
-        "--middleware",
-        VLLM_MODELS_MIDDLEWARE,
-    ]
-    tok_dir = cfg.model
-    if cfg.tokenizer is not None and not _has_tokenizer(cfg.model):
-        # vLLM reads a tokenizer directory's config.json too: a target that holds its
-        # tokenizer is given alone (the model set's tokenizer/ has no config.json)
-        argv += ["--tokenizer", str(cfg.tokenizer)]
-        tok_dir = cfg.tokenizer
-    if not has_chat_template(tok_dir):
+    argv: list[str] = []
+    kw = vllm_engine_kwargs(cfg)
+    for key, value in kw.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    argv += ["--served-model-name", cfg.served_model_name, "--host", cfg.host]
+    argv += ["--port", str(cfg.port), "--uvicorn-log-level", cfg.log_level]
+    argv += ["--middleware", VLLM_MODELS_MIDDLEWARE]
+    if not has_chat_template(Path(kw.get("tokenizer", cfg.model))):
         argv += ["--chat-template", PLAIN_CHAT_TEMPLATE]
-    sc = vllm_speculative_config(cfg)
-    if sc is not None:
-        argv += ["--speculative-config", json.dumps(sc)]
-    ac = vllm_additional_config(cfg)
-    if ac is not None:
-        argv += ["--additional-config", json.dumps(ac)]
-    if cfg.enforce_eager:
-        argv.append("--enforce-eager")
     return argv + list(cfg.vllm_args)
