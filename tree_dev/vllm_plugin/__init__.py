@@ -14,5 +14,7 @@ def register() -> None:
 
     register_eagle_model()  # the exported EAGLE head's architecture (export-eagle-vllm)
     from tree_dev.vllm_plugin import hooks
+    from tree_dev.vllm_plugin.eagle_model import register_eagle_model
 
     hooks.install()
+    register_eagle_model()

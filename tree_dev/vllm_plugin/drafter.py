@@ -1,18 +1,23 @@
-"""Growing token trees with a draft model that lives inside vLLM.
+"""Growing token trees with a draft that lives inside vLLM.
 
-The draft is vLLM's own draft model (the ``draft_model`` proposer's ``model``: vLLM's model
-code, its KV in vLLM's paged cache, compiled like the target). Drafting a request:
+The draft is vLLM's own draft model: the ``draft_model`` proposer's LM, or the ``eagle``
+proposer's head (``eagle_model``), each on vLLM's model code with its KV in vLLM's paged
+cache, compiled like the target. A request's draft *sequence* is what the draft consumes
+position by position: for a draft LM the committed tokens; for EAGLE the pairs
+``(x_{k+1}, h_k)`` of the next token and the target's feature at ``k`` (vLLM's convention:
+pair ``k`` at position ``k``). Its last element is the *root* (the last sampled token).
 
-- **catch-up**: the committed tokens the draft has not seen (the last step's accepted
-  tokens and the new root; the whole prompt on the first step) are written at their own
+- **catch-up**: the sequence elements the draft has not consumed (the last step's accepted
+  tokens and the root; the whole prompt on the first step) are written at their own
   positions. Long catch-ups go first in chunks; a short one rides along as the *trunk* of
   the first level.
 - **levels**: each level is one packed draft forward over that level's new nodes of every
-  request, with tree attention over the prefix and the node's ancestors; node ``j`` of the
-  forwarded tree sits at slot ``root + j`` (vLLM reserves ``num_speculative_tokens`` draft
-  slots per request, which bounds the nodes a tree may forward; ``config`` checks it).
-  The next nodes come from ``tree_dev.proposer.TreeExpansion``, the same expansion the local
-  engine runs, so both engines grow the same tree from the same draft scores.
+  request, with tree attention over the prefix and the node's ancestors; forwarded node
+  ``j`` sits at slot ``root + j`` (vLLM reserves ``num_speculative_tokens`` draft slots per
+  request, which bounds the nodes a tree may forward; ``config`` checks it). An EAGLE
+  node's feature is its parent's draft output. The next nodes come from
+  ``tree_dev.proposer.TreeExpansion``, the expansion the local engine runs, so both engines
+  grow the same tree from the same draft scores.
 
 Nothing is recomputed: earlier levels' K/V stay in the draft cache for the later ones.
 """
@@ -28,32 +33,54 @@ from tree_dev.tree import TokenTree, TreeBatch
 from tree_dev.vllm_plugin.attention import TreeAttentionMetadata, TreeRows
 
 TRUNK_LIMIT = 32  # catch-ups up to this long ride along in the first level
-CHUNK = 256  # longer ones are prefilled in chunks of this many tokens first
+CHUNK = 256  # longer ones are prefilled in chunks of this many elements first
+
+
+@dataclass
+class Draftee:
+    """One request to draft for.
+
+    Attributes:
+        row: batch row in vLLM's persistent batch (its block table row).
+        rid: request id.
+        seq: the draft sequence's tokens up to and including the root.
+        feats: EAGLE only: ``[len(seq) - start, H]`` target features of the elements from
+            ``start`` on (element ``k`` pairs ``seq[k]`` with feature row ``k - start``).
+        start: first element the draft has not consumed.
+    """
+
+    row: int
+    rid: str
+    seq: list[int]
+    start: int
+    feats: torch.Tensor | None = None
 
 
 @dataclass
 class _Grower:
     """One request's forwarded draft tree (trunk chain, then expanded nodes)."""
 
-    row: int  # batch row in vLLM's persistent batch
-    rid: str
+    d: Draftee
     prefix: int  # draft KV valid for positions < prefix
     expansion: TreeExpansion
     parents: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    feats: list[torch.Tensor] = field(default_factory=list)  # EAGLE: per forwarded node
+    outs: dict[int, torch.Tensor] = field(default_factory=dict)  # EAGLE: node -> output
     cand_fwd: dict[int, int] = field(default_factory=dict)
     new: list[int] = field(default_factory=list)
 
 
 class ModelDrafter:
-    """Tree drafting with vLLM's draft model (``speculative_config`` method ``draft_model``)."""
+    """Tree drafting with the proposer's model (methods ``draft_model`` and ``eagle``)."""
 
-    def __init__(self, tree_runner, proposer, layer_names: list[str]):
+    def __init__(self, tree_runner, proposer, layer_names: list[str], eagle: bool):
         if not layer_names:
             raise ValueError("treespec: the draft model has no attention layers with a KV cache")
         self.tr = tree_runner
         self.proposer = proposer
         self.layers = layer_names
+        self.eagle = eagle
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -64,17 +91,23 @@ class ModelDrafter:
         trees: list[TokenTree],
         new_nodes: list[list[int]],
         tokens: list[int],
+        feats: torch.Tensor | None,
         want: list[list[int]] | None,
-    ) -> torch.Tensor | None:
-        """One packed draft forward; returns fp32 log-probs at the ``want`` nodes.
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One packed draft forward.
 
         Args:
             rows: batch rows of the requests; prefixes: draft KV length before each tree.
-            trees: each request's forwarded tree (node ``j`` at position ``prefix + j``).
+            trees: each request's forwarded tree (node ``j`` at slot ``prefix + j``, RoPE
+                position ``prefix + depth``).
             new_nodes: per request, the nodes computed now (ascending).
-            tokens: token of every new node, packed.
+            tokens: token of every new node, packed; feats: EAGLE ``[T_new, H]`` features.
             want: per request, nodes (among ``new_nodes``) whose next-token log-probs are
-                returned, packed ``[sum(len(w)), V]``; None returns nothing.
+                wanted; None wants nothing.
+
+        Returns:
+            fp32 log-probs ``[sum(len(w)), V]`` at the wanted nodes and the draft's
+            outputs there ``[sum(len(w)), H]`` (None, None without ``want``).
         """
         from vllm.forward_context import set_forward_context
 
@@ -107,8 +140,14 @@ class ModelDrafter:
             num_actual_tokens=offset,
         )
         slot_t = torch.cat(slots)
-        ids = torch.tensor(tokens, dtype=torch.int32)
-        positions = torch.cat(pos)
+        kwargs = {
+            "input_ids": torch.tensor(tokens, dtype=torch.int32),
+            "positions": torch.cat(pos),
+        }
+        if self.eagle:
+            kwargs["hidden_states"] = feats
+        else:
+            kwargs["inputs_embeds"] = None
         model = self.proposer.model
         with set_forward_context(
             {name: meta for name in self.layers},
@@ -116,79 +155,88 @@ class ModelDrafter:
             num_tokens=offset,
             slot_mapping={name: slot_t for name in self.layers},
         ):
-            hidden = model(input_ids=ids, positions=positions, inputs_embeds=None)
+            hidden = model(**kwargs)
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         if want is None:
-            return None
-        logits = model.compute_logits(hidden[torch.tensor(keep, dtype=torch.int64)])
-        return torch.log_softmax(logits.float(), dim=-1)
+            return None, None
+        h = hidden[torch.tensor(keep, dtype=torch.int64)]
+        return torch.log_softmax(model.compute_logits(h).float(), dim=-1), h
 
     # ----------------------------------------------------------------- propose
-    def propose(self, todo: list[tuple[int, str, int]]) -> list[tuple[TokenTree, list[int]]]:
-        """Trees for ``(batch row, request id, committed tokens)``; the last token is the root."""
-        r = self.tr.runner
+    def propose(self, todo: list[Draftee]) -> list[tuple[TokenTree, list[int]]]:
+        """Each request's tree, grown below the last element of its sequence."""
         policy = self.tr.cfg.policy
-        token_ids = r.input_batch.token_ids_cpu
-        growers = []
-        for row, rid, n_tokens in todo:
-            root = n_tokens - 1
-            start = min(self.tr.draft_len.get(rid, 0), root)
-            growers.append(
-                _Grower(row, rid, start, TreeExpansion(policy, int(token_ids[row, root])))
-            )
-        self._catch_up(growers, token_ids, [n - 1 for _, _, n in todo])
-        for g, (_, _, n_tokens) in zip(growers, todo):
-            trunk = token_ids[g.row, g.prefix : n_tokens].tolist()
+        growers = [_Grower(d, d.start, TreeExpansion(policy, int(d.seq[-1]))) for d in todo]
+        self._catch_up(growers)
+        for g in growers:
+            trunk = g.d.seq[g.prefix :]
             g.parents = list(range(-1, len(trunk) - 1))
-            g.tokens = trunk
+            g.tokens = list(trunk)
+            if self.eagle:
+                g.feats = list(self._feats(g.d, g.prefix, len(g.d.seq)))
             g.cand_fwd = {-1: len(trunk) - 1}
             g.new = list(range(len(trunk)))
         active = [g for g in growers if g.expansion.frontier()]
         while active:
             want = [[g.cand_fwd[c] for c in g.expansion.frontier()] for g in active]
-            logprobs = self.forward(
-                [g.row for g in active],
+            feats = None
+            if self.eagle:
+                feats = torch.stack([g.feats[n] for g in active for n in g.new])
+            logprobs, outs = self.forward(
+                [g.d.row for g in active],
                 [g.prefix for g in active],
                 [tree_of(tuple(g.parents)) for g in active],
                 [g.new for g in active],
                 [g.tokens[n] for g in active for n in g.new],
+                feats,
                 want,
             )
-            for g, lp in zip(active, logprobs.split([len(w) for w in want])):
+            sizes = [len(w) for w in want]
+            for g, w, lp, out in zip(active, want, logprobs.split(sizes), outs.split(sizes)):
                 g.expansion.absorb(lp)
                 g.new = []
+                for node, o in zip(w, out):
+                    g.outs[node] = o
                 for c in g.expansion.frontier():
-                    g.parents.append(g.cand_fwd[g.expansion.parent(c)])
+                    parent_fwd = g.cand_fwd[g.expansion.parent(c)]
+                    g.parents.append(parent_fwd)
                     g.tokens.append(g.expansion.token(c))
+                    if self.eagle:
+                        g.feats.append(g.outs[parent_fwd])
                     g.cand_fwd[c] = len(g.parents) - 1
                     g.new.append(len(g.parents) - 1)
             active = [g for g in active if g.new]
         results = []
-        for g, (_, _, n_tokens) in zip(growers, todo):
-            self.tr.draft_len[g.rid] = n_tokens  # trunk and root now in the draft cache
+        for g in growers:
             tree, tokens, _ = g.expansion.result()
             results.append((tree, tokens))
         return results
 
-    def _catch_up(self, growers: list[_Grower], token_ids, roots: list[int]) -> None:
-        """Prefill long catch-ups (everything before the root beyond TRUNK_LIMIT) in chunks."""
+    @staticmethod
+    def _feats(d: Draftee, lo: int, hi: int) -> torch.Tensor:
+        return d.feats[lo - d.start : hi - d.start]
+
+    def _catch_up(self, growers: list[_Grower]) -> None:
+        """Prefill long catch-ups (all before the root beyond TRUNK_LIMIT) in chunks."""
         while True:
-            todo = [(g, root) for g, root in zip(growers, roots) if root - g.prefix > TRUNK_LIMIT]
+            todo = [g for g in growers if len(g.d.seq) - 1 - g.prefix > TRUNK_LIMIT]
             if not todo:
                 return
-            chunks = [min(CHUNK, root - g.prefix) for g, root in todo]
-            toks = [
-                token_ids[g.row, g.prefix : g.prefix + n].tolist()
-                for (g, _), n in zip(todo, chunks)
-            ]
+            chunks = [min(CHUNK, len(g.d.seq) - 1 - g.prefix) for g in todo]
+            feats = None
+            if self.eagle:
+                feats = torch.cat(
+                    [self._feats(g.d, g.prefix, g.prefix + n) for g, n in zip(todo, chunks)]
+                )
             self.forward(
-                [g.row for g, _ in todo],
-                [g.prefix for g, _ in todo],
+                [g.d.row for g in todo],
+                [g.prefix for g in todo],
                 [tree_of((-1, *range(n - 1))) for n in chunks],
                 [list(range(n)) for n in chunks],
-                [t for part in toks for t in part],
+                [t for g, n in zip(todo, chunks) for t in g.d.seq[g.prefix : g.prefix + n]],
+                feats,
                 None,
             )
-            for (g, _), n in zip(todo, chunks):
+            for g, n in zip(todo, chunks):
                 g.prefix += n

@@ -165,6 +165,7 @@ def _propose(orig):
         st = getattr(self, "_treespec", None)
         if st is None:
             return orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        return st.propose(scheduler_output, sampled_token_ids)
+        hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+        return st.propose(scheduler_output, sampled_token_ids, hidden)
 
     return propose_draft_token_ids

@@ -123,6 +123,10 @@ class TreeRunner:
         self.stats = Stats()
         self.target_layers: list[str] = []
         self.drafter = None
+        # per step: (req ids, first query row, computed tokens, scheduled tokens) per row
+        self.step: tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.accepted: dict[str, list[int]] = {}  # this step's accepted nodes (root first)
+        self.feats: dict[str, tuple[int, torch.Tensor]] = {}  # EAGLE: (first pos, [k, H])
         attention.ACTIVE.backend = cfg.kernel_backend
         # Every drafter runs after vLLM's bookkeeping (sampled tokens as lists, the
         # persistent batch's token ids up to date): the runner's "padded drafter batch"
@@ -143,7 +147,9 @@ class TreeRunner:
             draft_names = set(getattr(r.drafter, "_draft_attn_layer_names", set()))
             from tree_dev.vllm_plugin.drafter import ModelDrafter
 
-            self.drafter = ModelDrafter(self, r.drafter, sorted(draft_names))
+            self.drafter = ModelDrafter(
+                self, r.drafter, sorted(draft_names), eagle=self.cfg.method == "eagle"
+            )
         self.target_layers = sorted(n for n in layers if n not in draft_names)
 
     def on_update_states(self, scheduler_output) -> None:
@@ -156,6 +162,7 @@ class TreeRunner:
         for rid in gone:
             self.proposals.pop(rid, None)
             self.draft_len.pop(rid, None)
+            self.feats.pop(rid, None)
 
     # ----------------------------------------------------------------- verify
     def prepare_verify(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
@@ -165,6 +172,14 @@ class TreeRunner:
         specs = scheduler_output.scheduled_spec_decode_tokens
         self.verify = None
         attention.ACTIVE.verify = None
+        self.accepted = {}
+        n = batch.num_reqs
+        self.step = (
+            list(batch.req_ids),
+            r.query_start_loc.np[:n].copy(),
+            batch.num_computed_tokens_cpu[:n].copy(),
+            np.asarray(num_scheduled_tokens[:n]).copy(),
+        )
         if not specs:
             return
         idx, rids, prefix, trees, toks = [], [], [], [], []
@@ -269,6 +284,7 @@ class TreeRunner:
                 out[i, :n] = torch.tensor(emitted[k][:n], dtype=out.dtype)
                 self.stats.record(v.trees[j], n - 1)
                 moves.append((i, v.prefix_lens[j], acc_nodes[k][:n]))
+                self.accepted[v.req_ids[j]] = acc_nodes[k][:n]
         if self.cfg.debug_disable != "compaction":
             self._compact(moves)
 
@@ -302,12 +318,14 @@ class TreeRunner:
             layer.impl.do_kv_cache_update(layer, k.clone(), v.clone(), kv, dst_t)
 
     # ----------------------------------------------------------------- propose
-    def propose(self, scheduler_output, sampled_token_ids) -> list[list[int]]:
+    def propose(self, scheduler_output, sampled_token_ids, hidden_states=None) -> list[list[int]]:
         """The next tree of every request that sampled this step (BFS draft tokens)."""
         r = self.runner
         batch = r.input_batch
         budget = self.cfg.num_draft_tokens
         want = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        if self.cfg.method == "eagle" and hidden_states is not None:
+            self._keep_features(hidden_states)
         out: list[list[int]] = [[] for _ in batch.req_ids]
         todo = []
         for i, rid in enumerate(batch.req_ids):
@@ -332,10 +350,54 @@ class TreeRunner:
                 tree, tokens = ngram_trie(context, self.cfg.policy)
                 self._store(rid, tree, tokens, out, i)
             return out
-        results = self.drafter.propose(todo)
-        for (i, rid, _), (tree, tokens) in zip(todo, results):
-            self._store(rid, tree, tokens, out, i)
+        from tree_dev.vllm_plugin.drafter import Draftee
+
+        draftees = []
+        for i, rid, n_tokens in todo:
+            tokens = batch.token_ids_cpu[i, :n_tokens].tolist()
+            if self.cfg.method == "eagle":
+                # element k pairs token k + 1 with the target's feature at k
+                seq, start = tokens[1:], self.draft_len.get(rid, 0)
+                first, feats = self.feats.get(rid, (None, None))
+                if first is None or first > start or first + len(feats) != len(seq):
+                    self.feats.pop(rid, None)
+                    self.draft_len.pop(rid, None)
+                    continue  # no feature history for this request's catch-up
+                draftees.append(Draftee(i, rid, seq, start, feats[start - first :]))
+            else:
+                start = min(self.draft_len.get(rid, 0), n_tokens - 1)
+                draftees.append(Draftee(i, rid, tokens, start))
+        for d, (tree, tokens) in zip(draftees, self.drafter.propose(draftees)):
+            self.draft_len[d.rid] = len(d.seq)  # the trunk and root are in the draft cache
+            if self.cfg.method == "eagle":
+                self.feats.pop(d.rid, None)  # consumed up to the root
+            self._store(d.rid, tree, tokens, out, d.row)
         return out
+
+    def _keep_features(self, hidden_states: torch.Tensor) -> None:
+        """EAGLE: keep the target's features of this step's newly committed positions."""
+        if self.step is None:
+            return
+        rids, q0, computed, scheduled = self.step
+        for i, rid in enumerate(rids):
+            nodes = self.accepted.get(rid)
+            if nodes is not None:
+                rows = [int(q0[i]) + j for j in nodes]
+            else:
+                rows = list(range(int(q0[i]), int(q0[i]) + int(scheduled[i])))
+            if not rows:
+                continue
+            h = hidden_states[torch.tensor(rows, dtype=torch.int64)].clone()
+            pos = int(computed[i])
+            prev = self.feats.get(rid)
+            if prev is not None and prev[0] + len(prev[1]) == pos:
+                self.feats[rid] = (prev[0], torch.cat([prev[1], h]))
+            elif prev is None and pos == self.draft_len.get(rid, pos):
+                self.feats[rid] = (pos, h)
+                self.draft_len[rid] = pos
+            else:
+                self.feats[rid] = (pos, h)
+                self.draft_len[rid] = pos  # history lost: draft KV from here on
 
     def _store(self, rid: str, tree: TokenTree, tokens: list[int], out, i: int) -> None:
         if tree.num_nodes <= 1:
@@ -346,3 +408,9 @@ class TreeRunner:
 
 def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
     return int(row[pos // block_size]) * block_size + pos % block_size
+
+
+def worker_tree_stats(worker) -> dict:
+    """Per-depth acceptance of a worker's runner: ``llm.collective_rpc(worker_tree_stats)``."""
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    return st.stats.as_dict() if st is not None else {}

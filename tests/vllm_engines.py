@@ -1,0 +1,114 @@
+"""vLLM engines on the committed tiny models, shared by the plugin's test modules.
+
+One engine per test module (start-up is 10-30 s); the plain-decoding reference outputs
+are computed once per session and mode (eager or compiled) by ``plain_outputs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "stdlib-v1"
+TARGET = str(CHECKPOINT / "target")
+DRAFT = str(CHECKPOINT / "draft")
+MAX_MODEL_LEN = 512
+
+
+def held_out_prompts(n: int, seed: int = 0, lo: int = 8, hi: int = 160) -> list[list[int]]:
+    """``n`` token prompts of mixed lengths in ``[lo, hi]`` from held-out stdlib files."""
+    import random
+
+    from tree_dev.models.data import corpus_files, load_tokenizer, read_texts
+
+    tok = load_tokenizer(CHECKPOINT / "tokenizer")
+    _, val = corpus_files()
+    rng = random.Random(seed)
+    streams = [ids for ids in (tok.encode(t) for t in read_texts(val)) if len(ids) > 2 * hi]
+    out = []
+    for i in range(n):
+        ids = streams[i % len(streams)]
+        length = rng.randint(lo, hi)
+        start = rng.randint(0, len(ids) - length)
+        out.append(ids[start : start + length])
+    return out
+
+
+def max_tokens_for(i: int) -> int:
+    """Mixed output lengths, so requests leave a continuous batch at different times."""
+    return (24, 64, 40, 96, 32, 56, 80, 48)[i % 8]
+
+
+def make_llm(enforce_eager: bool = True, **kw):
+    from vllm import LLM
+
+    args = dict(
+        model=TARGET,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        enforce_eager=enforce_eager,
+        disable_log_stats=False,
+        seed=0,
+    )
+    args.update(kw)
+    return LLM(**args)
+
+
+def shutdown(llm) -> None:
+    """Stop an engine's processes now (not at interpreter exit)."""
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def generate(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """Token ids of each output; ``params`` one ``SamplingParams`` or one per prompt."""
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def greedy_params(n: int):
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(temperature=0, max_tokens=max_tokens_for(i), ignore_eos=True)
+        for i in range(n)
+    ]
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's own spec-decode counters (acceptance per position = per depth for trees)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name.split(":", 1)[1]] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out
+
+
+def tree_stats(llm) -> dict:
+    """The plugin's per-depth statistics from the worker (``TreeRunner.stats``)."""
+    from tree_dev.vllm_plugin.runner import worker_tree_stats
+
+    return llm.collective_rpc(worker_tree_stats)[0]
+
+
+_PLAIN: dict[tuple, list[list[int]]] = {}
+
+
+def plain_outputs(prompts: list[list[int]], enforce_eager: bool = True) -> list[list[int]]:
+    """vLLM's own plain greedy outputs for ``prompts`` (computed once per session)."""
+    key = (enforce_eager, tuple(tuple(p) for p in prompts))
+    if key not in _PLAIN:
+        llm = make_llm(enforce_eager=enforce_eager, max_num_seqs=8)
+        try:
+            _PLAIN[key] = generate(llm, prompts, greedy_params(len(prompts)))
+        finally:
+            shutdown(llm)
+    return _PLAIN[key]
