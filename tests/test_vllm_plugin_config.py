@@ -69,3 +69,21 @@ def test_draft_slots():
     assert config.draft_slots(parse_tree_spec("topk:k=2,depth=4,budget=8")) == 6
     assert config.draft_slots(parse_tree_spec("chain:4")) == 3  # the leaf is never forwarded
     assert config.draft_slots(parse_tree_spec("paths:[(0,), (1,), (0, 0)]")) == 1
+
+
+def test_engine_start_up_refuses_a_mismatch():
+    """Through ``LLM(...)``: the check runs where vLLM builds its config, before any load."""
+    from vllm import LLM
+    from vllm_engines import DRAFT, TARGET
+
+    with pytest.raises(ValueError, match="num_speculative_tokens = 4"):
+        LLM(
+            model=TARGET,
+            max_model_len=512,
+            speculative_config={
+                "method": "draft_model",
+                "model": DRAFT,
+                "num_speculative_tokens": 4,
+            },
+            additional_config={"treespec": {"tree": "topk:k=2,depth=4,budget=8"}},
+        )

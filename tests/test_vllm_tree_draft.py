@@ -17,8 +17,8 @@ from scipy.stats import chisquare  # noqa: E402
 from vllm_engines import (  # noqa: E402
     DRAFT,
     TARGET,
+    assert_lossless,
     generate,
-    greedy_params,
     held_out_prompts,
     make_llm,
     plain_outputs,
@@ -50,15 +50,11 @@ def reference():
 
 
 def test_lossless_at_batch_1(llm, reference):
-    params = greedy_params(len(PROMPTS))
-    for i, prompt in enumerate(PROMPTS):
-        assert generate(llm, [prompt], params[i])[0] == reference[i], f"prompt {i}"
+    assert_lossless(llm, PROMPTS, reference, batch1=True)
 
 
 def test_lossless_with_8_concurrent_mixed_lengths(llm, reference):
-    outs = generate(llm, PROMPTS, greedy_params(len(PROMPTS)))
-    diverged = [i for i, (a, b) in enumerate(zip(outs, reference)) if a != b]
-    assert not diverged, f"prompts {diverged} diverge from vLLM's plain greedy output"
+    assert_lossless(llm, PROMPTS, reference, batch1=False)
 
 
 def test_drafts_are_accepted_and_counted_per_depth(llm):

@@ -112,3 +112,15 @@ def plain_outputs(prompts: list[list[int]], enforce_eager: bool = True) -> list[
         finally:
             shutdown(llm)
     return _PLAIN[key]
+
+
+def assert_lossless(llm, prompts: list[list[int]], reference: list[list[int]], batch1: bool):
+    """Greedy outputs equal ``reference`` token for token, one request at a time or all
+    submitted together (the engine's ``max_num_seqs`` bounds the concurrency)."""
+    params = greedy_params(len(prompts))
+    if batch1:
+        outs = [generate(llm, [p], params[i])[0] for i, p in enumerate(prompts)]
+    else:
+        outs = generate(llm, prompts, params)
+    diverged = [i for i, (a, b) in enumerate(zip(outs, reference)) if a != b]
+    assert not diverged, f"prompts {diverged} diverge from vLLM's plain greedy output"

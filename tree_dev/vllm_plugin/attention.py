@@ -19,12 +19,13 @@ Without an active tree the override is vLLM's own implementation, unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 import kernels
-from tree_dev.tree import TreeBatch
+from tree_dev.tree import TokenTree, TreeBatch
 from tree_dev.vllm_plugin.kv_layout import KVLayout, contiguous_kv
 
 
@@ -68,6 +69,14 @@ class _Active:
 
 
 ACTIVE = _Active()
+
+
+@lru_cache(maxsize=2048)
+def tree_batch(trees: tuple[TokenTree, ...]) -> TreeBatch:
+    """A ``TreeBatch`` per distinct tuple of shapes: its masks are packed once."""
+    return TreeBatch(list(trees))
+
+
 _LAYOUTS: dict[tuple, KVLayout] = {}
 
 

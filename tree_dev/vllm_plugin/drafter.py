@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tree_dev.proposer import TreeExpansion, tree_of
-from tree_dev.tree import TokenTree, TreeBatch
-from tree_dev.vllm_plugin.attention import TreeAttentionMetadata, TreeRows
+from tree_dev.tree import TokenTree
+from tree_dev.vllm_plugin.attention import TreeAttentionMetadata, TreeRows, tree_batch
 
 TRUNK_LIMIT = 32  # catch-ups up to this long ride along in the first level
 CHUNK = 256  # longer ones are prefilled in chunks of this many elements first
@@ -114,7 +114,7 @@ class ModelDrafter:
         r = self.tr.runner
         bt = r.input_batch.block_table.block_tables[0]
         table, bs = bt.get_cpu_tensor(), bt.block_size
-        batch = TreeBatch(trees)
+        batch = tree_batch(tuple(trees))
         pos, slots, qnodes, keep = [], [], [], []
         offset = 0
         for b, (row, p, tree, nodes) in enumerate(zip(rows, prefixes, trees, new_nodes)):

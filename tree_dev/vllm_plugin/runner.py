@@ -31,7 +31,7 @@ import torch
 
 import kernels
 from tree_dev.proposer import tree_of
-from tree_dev.tree import TokenTree, TreeBatch
+from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin import attention
 from tree_dev.vllm_plugin.config import TreeConfig, is_ngram
 
@@ -223,7 +223,7 @@ class TreeRunner:
         self.verify = _Verify(idx, rids, prefix, trees, toks)
         if self.cfg.debug_disable == "mask":
             return  # vLLM's causal attention over the tree rows: the planted bug
-        batch_trees = TreeBatch(trees)
+        batch_trees = attention.tree_batch(tuple(trees))
         attention.ACTIVE.verify = attention.TreeRows(
             batch=batch_trees,
             row_index=rows,
@@ -251,7 +251,7 @@ class TreeRunner:
             if not sel:
                 continue
             trees = [v.trees[j] for j in sel]
-            tb = TreeBatch(trees)
+            tb = attention.tree_batch(tuple(trees))
             first = [int(starts[v.req_index[j]]) for j in sel]
             rows = torch.cat([torch.arange(f, f + t.num_nodes) for f, t in zip(first, trees)])
             lg = logits[rows].float()

@@ -1,0 +1,247 @@
+"""Tree speculation inside vLLM against vLLM's own methods, in one run.
+
+On held-out standard-library prompts (the committed tiny models, fp32, torch.compile on),
+at batch 1 and at 4 concurrent requests, greedy and temperature 0.8:
+
+- vLLM plain decoding, vLLM ``ngram`` (chain), vLLM ``draft_model`` chain with the
+  committed draft LM, vLLM ``eagle`` chain with the exported EAGLE head;
+- the project's trees through the plugin: draft-LM top-K trees, EAGLE top-K trees and the
+  n-gram trie, at a few budgets.
+
+Reported per configuration and scenario: output tokens/s, tau (tokens per target forward,
+from vLLM's spec-decode counters), acceptance per depth, and the ratio to vLLM plain of the
+same scenario. Every engine decodes the same prompts with the same parameters; engines run
+one after another in this process (an engine owns the machine while it runs).
+
+    python -m bench.vllm_e2e            # full grid (about 15 minutes here)
+    python -m bench.vllm_e2e --quick    # one budget per tree kind, fewer prompts
+
+Writes ``results/vllm_e2e.json`` and ``results/vllm_e2e.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+ROOT = Path(__file__).resolve().parents[1]
+CK = ROOT / "checkpoints" / "stdlib-v1"
+SCENARIOS = (("batch1", 1, 0.0), ("batch1", 1, 0.8), ("conc4", 4, 0.0), ("conc4", 4, 0.8))
+
+
+def configs(quick: bool, eagle_dir: str) -> list[dict]:
+    """Engine configurations: name, speculative_config, tree spec (None: vLLM's own)."""
+    draft, k = str(CK / "draft"), 4
+    out = [
+        {"name": "vllm plain", "spec": None, "tree": None},
+        {
+            "name": f"vllm ngram k={k}",
+            "spec": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4},
+            "tree": None,
+        },
+        {
+            "name": f"vllm draft_model chain k={k}",
+            "spec": {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
+            "tree": None,
+        },
+        {
+            "name": f"vllm eagle chain k={k}",
+            "spec": {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": k},
+            "tree": None,
+        },
+    ]
+    trees = [
+        ("draft_model", draft, "topk:k=2,depth=3,budget=4"),
+        ("draft_model", draft, "topk:k=2,depth=4,budget=8"),
+        ("eagle", eagle_dir, "topk:k=2,depth=3,budget=4"),
+        ("eagle", eagle_dir, "topk:k=2,depth=4,budget=8"),
+        ("eagle", eagle_dir, "topk:k=2,depth=8,budget=16"),
+        ("ngram", None, "ngram:budget=8"),
+        ("ngram", None, "ngram:budget=16"),
+    ]
+    if quick:
+        trees = [trees[1], trees[3], trees[5]]
+    from tree_dev.spec import parse_tree_spec
+
+    for method, model, tree in trees:
+        spec = {"method": method, "num_speculative_tokens": parse_tree_spec(tree).draft_budget}
+        if model is not None:
+            spec["model"] = model
+        out.append({"name": f"tree {method} {tree}", "spec": spec, "tree": tree})
+    return out
+
+
+def held_out(n: int, length: int) -> list[list[int]]:
+    from bench.e2e import held_out_prompts
+    from tree_dev.models.data import load_tokenizer
+
+    return held_out_prompts(load_tokenizer(CK / "tokenizer"), n, length)
+
+
+def run_engine(cfg: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Start one engine, warm it, time every scenario; returns the measurements."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if cfg["spec"] is not None:
+        kw["speculative_config"] = dict(cfg["spec"])
+    if cfg["tree"] is not None:
+        kw["additional_config"] = {"treespec": {"tree": cfg["tree"]}}
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(CK / "target"),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=4,
+        disable_log_stats=False,
+        seed=0,
+        **kw,
+    )
+    startup = time.perf_counter() - t0
+    toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm.generate(toks[:2], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    res = {"name": cfg["name"], "startup_s": startup, "scenarios": {}}
+    try:
+        for label, conc, temp in SCENARIOS:
+            before = _counters(llm)
+            params = SamplingParams(
+                temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=0
+            )
+            t = time.perf_counter()
+            n_out = 0
+            if conc == 1:
+                for p in toks:
+                    n_out += len(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+            else:
+                outs = llm.generate(toks, params, use_tqdm=False)
+                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            dt = time.perf_counter() - t
+            after = _counters(llm)
+            res["scenarios"][f"{label} T={temp}"] = {
+                "tokens_per_s": n_out / dt,
+                "seconds": dt,
+                "output_tokens": n_out,
+                **_acceptance(before, after),
+            }
+            print(f"  {cfg['name']:45s} {label} T={temp}: {n_out / dt:7.1f} tok/s", flush=True)
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return res
+
+
+def _counters(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "values", None) or getattr(m, "value", 0)
+    return out
+
+
+def _acceptance(before: dict, after: dict) -> dict:
+    drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
+        "vllm:spec_decode_num_drafts", 0
+    )
+    if not drafts:
+        return {"tau": None, "acceptance_per_depth": []}
+    acc = after["vllm:spec_decode_num_accepted_tokens"] - before.get(
+        "vllm:spec_decode_num_accepted_tokens", 0
+    )
+    per_a = after.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    per_b = before.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * len(per_a)
+    per = [(a - b) / drafts for a, b in zip(per_a, per_b)]
+    while per and per[-1] == 0:
+        per.pop()
+    # vLLM counts a step's accepted tokens by position; for a tree that is by depth
+    return {"tau": 1 + acc / drafts, "acceptance_per_depth": per}
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.io import save_figure
+
+    names = [r["name"] for r in results]
+    scen = list(results[0]["scenarios"])
+    fig, axes = plt.subplots(1, len(scen), figsize=(5 * len(scen), 0.45 * len(names) + 2))
+    for ax, s in zip(axes, scen):
+        base = results[0]["scenarios"][s]["tokens_per_s"]
+        vals = [r["scenarios"][s]["tokens_per_s"] for r in results]
+        colors = ["tab:gray" if r["name"].startswith("vllm") else "tab:green" for r in results]
+        ax.barh(range(len(vals)), vals, color=colors)
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v / base:.2f}x", va="center", fontsize=8)
+        ax.set_yticks(range(len(vals)))
+        ax.set_yticklabels(names if ax is axes[0] else [""] * len(names), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(s)
+        ax.set_xlabel("output tokens/s")
+    fig.suptitle("vLLM 0.32 on CPU: plain, vLLM's own speculation, and treespec trees")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 8)")
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default=str(ROOT / "results" / "vllm_e2e.json"))
+    args = ap.parse_args()
+    from tqdm import tqdm
+
+    from bench.io import atomic_write_json
+    from tree_dev.models.export_vllm import export_eagle_for_vllm
+
+    n = args.prompts or (4 if args.quick else 8)
+    prompts = held_out(n, args.prompt_tokens)
+    grid = configs(args.quick, str(export_eagle_for_vllm()))
+    results = []
+    for cfg in tqdm(grid, desc="engines"):
+        results.append(run_engine(cfg, prompts, args.max_tokens))
+    for s in results[0]["scenarios"]:
+        base = results[0]["scenarios"][s]["tokens_per_s"]
+        for r in results:
+            r["scenarios"][s]["ratio_to_vllm_plain"] = r["scenarios"][s]["tokens_per_s"] / base
+    summary = {}
+    for s in results[0]["scenarios"]:
+        best = max(results[4:], key=lambda r: r["scenarios"][s]["tokens_per_s"])
+        builtin = max(results[1:4], key=lambda r: r["scenarios"][s]["tokens_per_s"])
+        summary[s] = {
+            "best_tree": best["name"],
+            "best_tree_ratio": best["scenarios"][s]["ratio_to_vllm_plain"],
+            "best_builtin": builtin["name"],
+            "best_builtin_ratio": builtin["scenarios"][s]["ratio_to_vllm_plain"],
+        }
+        print(
+            f"{s}: best tree {best['name']} {summary[s]['best_tree_ratio']:.2f}x vLLM plain; "
+            f"best vLLM method {builtin['name']} {summary[s]['best_builtin_ratio']:.2f}x"
+        )
+    out = Path(args.out)
+    doc = {
+        "prompts": n,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "results": results,
+        "summary": summary,
+    }
+    atomic_write_json(out, doc)
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The lossless proofs can fail: disable the tree mask, the depth positions or the KV
+compaction in turn (``additional_config["treespec"]["debug_disable"]``) and the greedy
+output diverges from vLLM's plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+
+from vllm_engines import (  # noqa: E402
+    DRAFT,
+    generate,
+    greedy_params,
+    held_out_prompts,
+    make_llm,
+    plain_outputs,
+    shutdown,
+)
+
+PROMPTS = held_out_prompts(10, seed=5)
+
+
+@pytest.mark.parametrize("broken", ["mask", "positions", "compaction"])
+def test_output_diverges_when_a_part_is_disabled(broken):
+    reference = plain_outputs(PROMPTS)
+    llm = make_llm(
+        max_num_seqs=8,
+        speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 8},
+        additional_config={
+            "treespec": {"tree": "topk:k=2,depth=4,budget=8", "debug_disable": broken}
+        },
+    )
+    try:
+        outs = generate(llm, PROMPTS, greedy_params(len(PROMPTS)))
+    finally:
+        shutdown(llm)
+    diverged = sum(a != b for a, b in zip(outs, reference))
+    assert diverged >= 5, f"only {diverged} of {len(PROMPTS)} outputs changed without the {broken}"

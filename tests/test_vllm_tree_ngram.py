@@ -1,0 +1,55 @@
+"""The n-gram trie inside vLLM (method ``ngram``, no draft model): lossless, preempted.
+
+The engine gets a KV cache too small for its 8 concurrent requests, so vLLM preempts
+requests and later resumes them (recomputing their KV): the trees must stay lossless
+through that, with chunked prefill and prefix caching off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+
+from vllm_engines import (  # noqa: E402
+    assert_lossless,
+    held_out_prompts,
+    make_llm,
+    plain_outputs,
+    shutdown,
+    tree_stats,
+)
+
+PROMPTS = held_out_prompts(50, seed=2)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = make_llm(
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        num_gpu_blocks_override=12,  # 12 x 128 slots for up to 8 x 256: preemption
+        enable_prefix_caching=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 8},
+        additional_config={"treespec": {"tree": "ngram:budget=8"}},
+    )
+    yield engine
+    shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return plain_outputs(PROMPTS)
+
+
+def test_lossless_at_batch_1(llm, reference):
+    assert_lossless(llm, PROMPTS, reference, batch1=True)
+
+
+def test_lossless_with_8_concurrent_and_preemption(llm, reference):
+    assert_lossless(llm, PROMPTS, reference, batch1=False)
+
+
+def test_trie_drafts_are_accepted(llm):
+    stats = tree_stats(llm)
+    assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 1.2

@@ -1,0 +1,65 @@
+"""A static tree and a chain through the plugin, with the draft LM inside vLLM.
+
+The static tree's engine runs with prefix caching on (vLLM's default) and the same prompt
+prefixes shared across requests; the chain's with prefix caching off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+
+from vllm_engines import (  # noqa: E402
+    DRAFT,
+    assert_lossless,
+    held_out_prompts,
+    make_llm,
+    plain_outputs,
+    shutdown,
+    tree_stats,
+)
+
+PROMPTS = held_out_prompts(50, seed=4)
+# 25 long prompts, then each one's first 130 tokens with a new ending: the second half's
+# first KV block (128 tokens) comes from vLLM's prefix cache
+LONG = held_out_prompts(25, seed=6, lo=140, hi=180)
+SHARED = LONG + [p[:130] + q[:12] for p, q in zip(LONG, PROMPTS)]
+PATHS = "paths:[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
+
+
+def engine(tree: str, n: int, **kw):
+    return make_llm(
+        max_num_seqs=8,
+        speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": n},
+        additional_config={"treespec": {"tree": tree}},
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def static_llm():
+    llm = engine(PATHS, 8)
+    yield llm
+    shutdown(llm)
+
+
+def test_static_tree_lossless_batch_1_and_concurrent(static_llm):
+    reference = plain_outputs(SHARED)
+    assert_lossless(static_llm, SHARED, reference, batch1=True)
+    assert_lossless(static_llm, SHARED, reference, batch1=False)
+    stats = tree_stats(static_llm)
+    assert stats["tokens_per_step"] > 1.5
+    assert len(stats["acceptance_per_depth"]) == 4
+
+
+def test_chain_lossless_without_prefix_caching(static_llm):
+    shutdown(static_llm)  # one engine at a time on this machine
+    llm = engine("chain:4", 4, enable_prefix_caching=False)
+    try:
+        reference = plain_outputs(PROMPTS)
+        assert_lossless(llm, PROMPTS, reference, batch1=True)
+        assert_lossless(llm, PROMPTS, reference, batch1=False)
+        assert tree_stats(llm)["tokens_per_step"] > 1.5
+    finally:
+        shutdown(llm)
