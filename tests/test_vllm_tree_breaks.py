@@ -36,4 +36,4 @@ def test_output_diverges_when_a_part_is_disabled(broken):
     finally:
         shutdown(llm)
     diverged = sum(a != b for a, b in zip(outs, reference))
-    assert diverged >= 5, f"only {diverged} of {len(PROMPTS)} outputs changed without the {broken}"
+    assert diverged >= 3, f"only {diverged} of {len(PROMPTS)} outputs changed without the {broken}"
