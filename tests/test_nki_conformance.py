@@ -526,3 +526,142 @@ def test_nl_copy_from_psum_is_bit_exact():
     c = nl.copy(ps)
     assert c.buffer == "sbuf" and c.dtype == nl.float32
     np.testing.assert_array_equal(c.array, ps.array)
+
+
+# -- Vector Engine accumulator instructions ---------------------------------------------
+
+
+def test_tensor_scalar_reduce_chains_through_the_accumulator():
+    a, b = rand(8, 16), rand(8, 16)
+    out = nl.ndarray((8, 16), nl.float32)
+    res = nl.ndarray((8, 1), nl.float32)
+    nisa.tensor_scalar_reduce(out, sb(a), nl.multiply, 2.0, nl.add, reduce_res=None)
+    nisa.tensor_scalar_reduce(
+        out, sb(b), nl.multiply, 2.0, nl.add, reduce_res=res, reduce_cmd=nisa.reduce_cmd.reduce
+    )
+    np.testing.assert_allclose(val(out), 2 * b, rtol=1e-6)
+    np.testing.assert_allclose(val(res)[:, 0], 2 * (a.sum(1) + b.sum(1)), rtol=1e-4, atol=1e-4)
+    init = rand(8, 1)
+    nisa.tensor_scalar_reduce(
+        out,
+        sb(a),
+        nl.add,
+        sb(init),
+        nl.maximum,
+        reduce_res=res,
+        reduce_cmd=nisa.reduce_cmd.load_reduce,
+        reduce_init=sb(np.full((8, 1), 100.0, np.float32)),
+        reduce_res_negate=True,
+    )
+    np.testing.assert_allclose(val(res)[:, 0], -np.maximum(100.0, (a + init).max(1)), rtol=1e-6)
+    with pytest.raises(NkiRuleError, match="only for reduce_cmd=load_reduce"):
+        nisa.tensor_scalar_reduce(out, sb(a), nl.add, 0.0, nl.add, reduce_init=1.0)
+
+
+def test_tensor_scalar_cumulative_is_the_documented_running_register():
+    x = rand(4, 10)
+    out = nl.ndarray((4, 10), nl.float32)
+    nisa.tensor_scalar_cumulative(out, sb(x), nl.multiply, nl.add, 3.0)
+    np.testing.assert_allclose(val(out), np.cumsum(3 * x, axis=1), rtol=1e-5, atol=1e-5)
+    nisa.tensor_scalar_cumulative(
+        out, sb(x), nl.add, nl.maximum, 0.0, imm1=1.0, reduce_cmd=nisa.reduce_cmd.load_reduce
+    )
+    np.testing.assert_array_equal(val(out), np.maximum.accumulate(np.maximum(x, 1.0), axis=1))
+    with pytest.raises(NkiRuleError, match="int32"):
+        nisa.tensor_scalar_cumulative(
+            nl.ndarray((4, 10), nl.int32), sb(x, nl.int32), nl.add, nl.add, 0.0
+        )
+
+
+def test_select_reduce_and_range_select_with_max_reduction():
+    x = rand(8, 32)
+    pred = (RNG.random((8, 32)) < 0.5).astype(np.uint8)
+    out = nl.ndarray((8, 32), nl.float32)
+    res = nl.ndarray((8, 1), nl.float32)
+    nisa.select_reduce(
+        out, sb(pred), sb(x), -5.0, reduce_res=res, reduce_cmd=nisa.reduce_cmd.reset_reduce
+    )
+    want = np.where(pred != 0, x, -5.0)
+    np.testing.assert_array_equal(val(out), want)
+    np.testing.assert_array_equal(val(res)[:, 0], want.max(1))
+    lo = np.arange(8, dtype=np.float32)[:, None]  # keep lo <= idx < lo + 4 (a sliding window)
+    nisa.range_select(
+        out, sb(x), nl.greater_equal, nl.less, sb(lo), sb(lo + 4), reduce_res=res, range_start=0
+    )
+    idx = np.arange(32)[None, :]
+    keep = (idx >= lo) & (idx < lo + 4)
+    want = np.where(keep, x, np.finfo(np.float32).min)
+    np.testing.assert_array_equal(val(out), want)
+    np.testing.assert_array_equal(val(res)[:, 0], want.max(1))
+    with pytest.raises(NkiRuleError, match="FP32_MIN"):
+        nisa.range_select(
+            out, sb(x), nl.greater_equal, nl.less, sb(lo), sb(lo + 4), on_false_value=-1e9
+        )
+
+
+def test_exponential_is_v4_only_and_sums_into_reduce_res(monkeypatch):
+    x = rand(4, 16)
+    with pytest.raises(NkiRuleError, match="NeuronCore-v4"):
+        nisa.exponential(nl.ndarray((4, 16), nl.float32), sb(x))
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "gen4")
+    T._CTX.append(T.LaunchContext())
+    try:
+        out, res = nl.ndarray((4, 16), nl.float32), nl.ndarray((4, 1), nl.float32)
+        m = x.max(1, keepdims=True)
+        nisa.exponential(
+            out, sb(x), max_value=sb(m), reduce_res=res, reduce_cmd=nisa.reduce_cmd.reset_reduce
+        )
+        np.testing.assert_allclose(val(out), np.exp(x - m), rtol=1e-6)
+        np.testing.assert_allclose(val(res)[:, 0], np.exp(x - m).sum(1), rtol=1e-5)
+    finally:
+        T._CTX.pop()
+
+
+def test_bn_stats_then_bn_aggr_give_mean_and_variance_over_tiles():
+    x = rand(8, 1024) * 3 + 1
+    stats = nl.ndarray((8, 12), nl.float32)
+    for i in range(2):  # two 512-element tiles into one stats tensor
+        nisa.bn_stats(stats[:, 6 * i : 6 * i + 6], sb(x[:, 512 * i : 512 * (i + 1)]))
+    np.testing.assert_array_equal(val(stats)[:, 0], 256.0)  # even-element count
+    np.testing.assert_allclose(val(stats)[:, 1], x[:, 0:512:2].mean(1), rtol=1e-5)
+    out = nl.ndarray((8, 2), nl.float32)
+    nisa.bn_aggr(out, stats)
+    np.testing.assert_allclose(val(out)[:, 0], x.mean(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(val(out)[:, 1], x.var(1), rtol=1e-4)
+    with pytest.raises(NkiRuleError, match="512"):
+        nisa.bn_stats(nl.ndarray((8, 6), nl.float32), sb(rand(8, 513)))
+
+
+def test_tensor_partition_reduce_across_partitions():
+    x = rand(16, 8)
+    out = nl.ndarray((1, 8), nl.float32)
+    nisa.tensor_partition_reduce(out, nl.add, sb(x))
+    np.testing.assert_allclose(val(out)[0], x.sum(0), rtol=1e-5, atol=1e-6)
+    nisa.tensor_partition_reduce(out, nl.maximum, sb(x))
+    np.testing.assert_array_equal(val(out)[0], x.max(0))
+    bits = RNG.integers(0, 256, (16, 8)).astype(np.int32)
+    ob = nl.ndarray((1, 8), nl.int32)
+    nisa.tensor_partition_reduce(ob, nl.bitwise_or, sb(bits))
+    np.testing.assert_array_equal(ob.array[0], np.bitwise_or.reduce(bits, axis=0))
+
+
+@pytest.mark.parametrize("fn,dfn", [("silu", "silu_dx"), ("gelu", "gelu_dx"), ("erf", "erf_dx")])
+def test_derivative_activations_match_finite_differences(fn, dfn):
+    x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(2, 32)
+    h = np.float32(1e-2)
+    f = getattr(nl, fn)
+    fd = (val(f(sb(x + h))) - val(f(sb(x - h)))) / (2 * h)
+    np.testing.assert_allclose(val(getattr(nl, dfn)(sb(x))), fd, atol=2e-3)
+    out = nl.ndarray((2, 32), nl.float32)
+    nisa.activation(out, getattr(nl, dfn), sb(x))
+    np.testing.assert_allclose(val(out), fd, atol=2e-3)
+
+
+def test_mish_and_gelu_apprx_sigmoid():
+    x = rand(4, 16)
+    np.testing.assert_allclose(
+        val(nl.mish(sb(x))), x * np.tanh(np.log1p(np.exp(x))), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        val(nl.gelu_apprx_sigmoid(sb(x))), x / (1 + np.exp(-1.702 * x)), rtol=1e-5, atol=1e-6
+    )

@@ -537,6 +537,11 @@ ACTIVATIONS = (
     "gelu",
     "gelu_apprx_tanh",
     "softplus",
+    "mish",
+    "gelu_apprx_sigmoid",
+    "silu_dx",
+    "gelu_dx",
+    "erf_dx",
     "erf",
     "sin",
     "cos",
@@ -907,6 +912,322 @@ def nc_stream_shuffle(dst: Tile, src: Tile, shuffle_mask, name=None) -> None:
         out[i] = x[j]
     prof.vector(src.shape, 1, (src.dtype, dst.dtype))
     T.assign(dst, out.reshape(dst.shape))
+
+
+# -- Vector Engine accumulator instructions -------------------------------------------
+
+FP32_MIN = float(np.finfo(np.float32).min)
+_IDENTITY = {"add": 0.0, "subtract": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}
+_ROW_REDUCE = {"add": np.sum, "multiply": np.prod, "maximum": np.max, "minimum": np.min}
+_REDUCE_ALIASES = {"max": "maximum", "min": "minimum", "sum": "add"}
+
+
+def _reduce_name(call: str, op, allowed: tuple[str, ...]) -> str:
+    name = getattr(op, "__name__", None)
+    name = _REDUCE_ALIASES.get(name, name)
+    if name not in allowed:
+        raise rule(call, f"reduce op {op!r} unsupported; one of {allowed}")
+    return name
+
+
+def _vec_accumulate(
+    call: str, p: int, values: np.ndarray, op: str, cmd, init, reduce_res, negate=False
+) -> None:
+    """Fold ``values [P, F]`` into the Vector Engine's per-partition accumulators as
+    ``cmd`` says, then read them out into ``reduce_res`` ``[P, 1]`` (if given)."""
+    regs = T.ctx().vec_regs
+    if cmd == reduce_cmd.idle:
+        if reduce_res is not None:
+            raise rule(call, "reduce_res given with reduce_cmd=idle")
+        return
+    if cmd == reduce_cmd.reset_reduce:
+        regs[:p] = _IDENTITY[op]
+    elif cmd == reduce_cmd.load_reduce:
+        if init is None:
+            raise rule(call, "reduce_cmd=load_reduce needs reduce_init")
+        regs[:p] = np.broadcast_to(_scalar_or_vector(call, "reduce_init", init, p), (p, 1))[:, 0]
+    elif cmd != reduce_cmd.reduce:
+        raise rule(call, f"reduce_cmd {cmd} unsupported")
+    part = _ROW_REDUCE[op](values, axis=1)
+    regs[:p] = {
+        "add": np.add,
+        "multiply": np.multiply,
+        "maximum": np.maximum,
+        "minimum": np.minimum,
+    }[op](regs[:p], part).astype(np.float32)
+    if reduce_res is not None:
+        T.check_onchip(call, "reduce_res", reduce_res)
+        if reduce_res.shape[0] != p or _elems(reduce_res) != 1:
+            raise rule(call, f"reduce_res must be [{p}, 1], got {reduce_res.shape}")
+        out = -regs[:p] if negate else regs[:p]
+        T.write(reduce_res, out.reshape(reduce_res.shape), call)
+
+
+def tensor_scalar_reduce(
+    dst: Tile,
+    data: Tile,
+    op0,
+    operand0,
+    reduce_op,
+    reduce_res: Tile | None = None,
+    reverse0: bool = False,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    reduce_init=None,
+    reduce_res_negate: bool = False,
+    name=None,
+) -> None:
+    """``dst = data op0 operand0`` and a reduction (``add``/``multiply``/``max``/``min``)
+    over all its free elements into the Vector Engine accumulators (``reduce_cmd``:
+    ``reset_reduce`` / ``reduce`` / ``load_reduce`` from ``reduce_init``), read out into
+    ``reduce_res`` ``[P, 1]`` when given (negated if ``reduce_res_negate``)."""
+    c = "tensor_scalar_reduce"
+    T.check_onchip(c, "data", data)
+    T.check_onchip(c, "dst", dst)
+    _same_layout(c, "dst", dst, "data", data)
+    if getattr(op0, "_bitvec", False):
+        raise rule(c, "op0 must be an arithmetic op (bitvec ops are not supported)")
+    if reverse0:
+        raise rule(c, "reverse0 is not supported yet (per the NKI 0.6 reference)")
+    op = _reduce_name(c, reduce_op, ("add", "multiply", "maximum", "minimum"))
+    if reduce_init is not None and reduce_cmd != globals()["reduce_cmd"].load_reduce:
+        raise rule(c, "reduce_init is only for reduce_cmd=load_reduce")
+    p = data.shape[0]
+    with np.errstate(all="ignore"):
+        x = _np_op(c, op0)(_flat(data, c), _scalar_or_vector(c, "operand0", operand0, p))
+    prof.vector(data.shape, 1, (data.dtype, dst.dtype))
+    _write_flat(dst, x, c)
+    _vec_accumulate(
+        c, p, x.astype(np.float32), op, reduce_cmd, reduce_init, reduce_res, reduce_res_negate
+    )
+
+
+def tensor_scalar_cumulative(
+    dst: Tile,
+    src: Tile,
+    op0,
+    op1,
+    imm0,
+    imm1=None,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    name=None,
+) -> None:
+    """Running ``reg = op1(op0(src[i], imm0), reg)`` over the free elements, ``dst[i] = reg``
+    (``reset_reduce``: reg = the identity of op1; ``load_reduce``: ``imm1``; ``reduce``:
+    carry the Vector Engine accumulator). op1 in add/subtract/multiply/max/min; no
+    int32/uint32 operands."""
+    c = "tensor_scalar_cumulative"
+    T.check_onchip(c, "src", src)
+    T.check_onchip(c, "dst", dst)
+    _same_layout(c, "dst", dst, "src", src)
+    for n, t in (("src", src), ("dst", dst)):
+        if t.dtype in (T.int32, T.uint32, T.tfloat32):
+            raise rule(c, f"{n} dtype {T.dtype_name(t.dtype)} is not supported")
+    name1 = _reduce_name(c, op1, ("add", "subtract", "multiply", "maximum", "minimum"))
+    p = src.shape[0]
+    regs = T.ctx().vec_regs
+    if reduce_cmd == globals()["reduce_cmd"].reset_reduce:
+        regs[:p] = _IDENTITY[name1]
+    elif reduce_cmd == globals()["reduce_cmd"].load_reduce:
+        if imm1 is None:
+            raise rule(c, "reduce_cmd=load_reduce needs imm1")
+        regs[:p] = np.broadcast_to(_scalar_or_vector(c, "imm1", imm1, p), (p, 1))[:, 0]
+    elif reduce_cmd != globals()["reduce_cmd"].reduce:
+        raise rule(c, f"reduce_cmd {reduce_cmd} unsupported")
+    f0, f1 = _np_op(c, op0), _np_op(c, op1)
+    a = np.broadcast_to(_scalar_or_vector(c, "imm0", imm0, p), (p, 1))[:, 0]
+    x = _flat(src, c)
+    out = np.empty_like(x)
+    reg = regs[:p].astype(np.float32)
+    with np.errstate(all="ignore"):
+        for i in range(x.shape[1]):
+            reg = np.asarray(f1(f0(x[:, i], a), reg), np.float32)
+            out[:, i] = reg
+    regs[:p] = reg
+    prof.vector(src.shape, 1, (src.dtype, dst.dtype))
+    _write_flat(dst, out, c)
+
+
+def exponential(
+    dst: Tile,
+    src: Tile,
+    max_value=0.0,
+    reduce_res: Tile | None = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.idle,
+    reduce_init=0.0,
+    name=None,
+) -> None:
+    """``dst = exp(src - max_value)`` on the Vector Engine (NeuronCore-v4+), optionally
+    summed into the accumulators (``reduce_cmd``) and read out into ``reduce_res``."""
+    c = "exponential"
+    if T.ctx().nc_version < 4:
+        raise rule(c, "nisa.exponential is available only on NeuronCore-v4 and newer")
+    T.check_onchip(c, "src", src)
+    T.check_onchip(c, "dst", dst)
+    _same_layout(c, "dst", dst, "src", src)
+    p = src.shape[0]
+    with np.errstate(all="ignore"):
+        y = np.exp(_flat(src, c) - _scalar_or_vector(c, "max_value", max_value, p))
+    prof.vector(src.shape, 1, (src.dtype, dst.dtype))
+    _write_flat(dst, y, c)
+    if reduce_cmd != globals()["reduce_cmd"].load_reduce and reduce_init not in (None, 0, 0.0):
+        raise rule(c, "reduce_init must be unset or 0.0 unless reduce_cmd=load_reduce")
+    _vec_accumulate(c, p, y.astype(np.float32), "add", reduce_cmd, reduce_init, reduce_res)
+
+
+def select_reduce(
+    dst: Tile,
+    predicate: Tile,
+    on_true: Tile,
+    on_false,
+    reduce_res: Tile | None = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.idle,
+    reduce_op=nl.maximum,
+    reverse_pred: bool = False,
+    name=None,
+) -> None:
+    """``dst = where(predicate, on_true, on_false)`` (Vector Engine), with an optional
+    max-reduction into the accumulators / ``reduce_res``. ``on_false``: a scalar or a
+    ``[P, 1]`` vector; predicate an 8/16-bit integer tile; not both of ``on_true`` and
+    ``predicate`` in PSUM."""
+    c = "select_reduce"
+    for n, t in (("dst", dst), ("predicate", predicate), ("on_true", on_true)):
+        T.check_onchip(c, n, t)
+    _same_layout(c, "dst", dst, "on_true", on_true)
+    _same_layout(c, "dst", dst, "predicate", predicate)
+    if predicate.dtype not in (T.int8, T.uint8, T.int16, T.uint16):
+        raise rule(c, f"predicate dtype {predicate.dtype}; must be int8/uint8/int16/uint16")
+    if on_true.dtype in (T.tfloat32, T.int32, T.uint32):
+        raise rule(c, f"on_true dtype {T.dtype_name(on_true.dtype)} is not supported")
+    if on_true.buffer == "psum" and predicate.buffer == "psum":
+        raise rule(c, "on_true and predicate may not both be in PSUM")
+    _reduce_name(c, reduce_op, ("maximum",))
+    p = on_true.shape[0]
+    pred = predicate.array.reshape(p, -1) != 0
+    if reverse_pred:
+        pred = ~pred
+    res = np.where(pred, _flat(on_true, c), _scalar_or_vector(c, "on_false", on_false, p))
+    prof.vector(on_true.shape, 2, (on_true.dtype, dst.dtype))
+    _write_flat(dst, res, c)
+    _vec_accumulate(c, p, res.astype(np.float32), "maximum", reduce_cmd, None, reduce_res)
+
+
+def range_select(
+    dst: Tile,
+    on_true_tile: Tile,
+    comp_op0,
+    comp_op1,
+    bound0: Tile,
+    bound1: Tile,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    reduce_res: Tile | None = None,
+    reduce_op=nl.maximum,
+    range_start: int = 0,
+    on_false_value: float = FP32_MIN,
+    name=None,
+) -> None:
+    """``dst = on_true`` where ``comp_op0(idx, bound0) & comp_op1(idx, bound1)`` with
+    ``idx = range_start + free index`` (fp32), else ``on_false_value`` (must be FP32_MIN);
+    a max-reduction into the accumulators / ``reduce_res``. NeuronCore-v3+."""
+    c = "range_select"
+    if T.ctx().nc_version < 3:
+        raise rule(c, "range_select needs NeuronCore-v3 or newer")
+    for n, t in (
+        ("dst", dst),
+        ("on_true_tile", on_true_tile),
+        ("bound0", bound0),
+        ("bound1", bound1),
+    ):
+        T.check_onchip(c, n, t)
+    _same_layout(c, "dst", dst, "on_true_tile", on_true_tile)
+    allowed = ("equal", "less", "less_equal", "greater", "greater_equal")
+    for n, op in (("comp_op0", comp_op0), ("comp_op1", comp_op1)):
+        if getattr(op, "__name__", None) not in allowed:
+            raise rule(c, f"{n} must be one of {allowed}")
+    if not T.is_float(on_true_tile.dtype):
+        raise rule(c, f"on_true_tile dtype {on_true_tile.dtype} must be a float type")
+    for n, t in (("bound0", bound0), ("bound1", bound1)):
+        if t.dtype != T.float32:
+            raise rule(c, f"{n} must be float32, got {T.dtype_name(t.dtype)}")
+    if np.float32(on_false_value) != np.float32(FP32_MIN):
+        raise rule(c, f"on_false_value must be FP32_MIN ({FP32_MIN}), got {on_false_value}")
+    _reduce_name(c, reduce_op, ("maximum",))
+    p = on_true_tile.shape[0]
+    idx = np.float32(range_start) + np.arange(_elems(on_true_tile), dtype=np.float32)[None, :]
+    b0 = _scalar_or_vector(c, "bound0", bound0, p)
+    b1 = _scalar_or_vector(c, "bound1", bound1, p)
+    keep = (comp_op0._np(idx, b0) != 0) & (comp_op1._np(idx, b1) != 0)
+    res = np.where(keep, _flat(on_true_tile, c), np.float32(FP32_MIN))
+    prof.vector(on_true_tile.shape, 1, (on_true_tile.dtype, dst.dtype))
+    _write_flat(dst, res, c)
+    _vec_accumulate(c, p, res.astype(np.float32), "maximum", reduce_cmd, None, reduce_res)
+
+
+def bn_stats(dst: Tile, data: Tile, name=None) -> None:
+    """Per partition, 6 values: count, mean and variance*count of the even elements, then
+    of the odd elements (Vector Engine; <= 512 elements, ``nl.tile_size.bn_stats_fmax``)."""
+    c = "bn_stats"
+    T.check_onchip(c, "data", data)
+    T.check_onchip(c, "dst", dst)
+    if _elems(data) > 512:
+        raise rule(c, f"data has {_elems(data)} elements per partition > 512 (bn_stats_fmax)")
+    if dst.shape[0] != data.shape[0] or _elems(dst) != 6:
+        raise rule(c, f"dst must hold 6 elements per partition of data, got {dst.shape}")
+    x = _flat(data, c)
+    out = []
+    for half in (x[:, 0::2], x[:, 1::2]):
+        n = half.shape[1]
+        mean = half.mean(axis=1) if n else np.zeros(x.shape[0], np.float32)
+        m2 = ((half - mean[:, None]) ** 2).sum(axis=1) if n else np.zeros_like(mean)
+        out += [np.full(x.shape[0], n, np.float32), mean, m2]
+    prof.vector(data.shape, 1, (data.dtype, dst.dtype))
+    _write_flat(dst, np.stack(out, axis=1), c)
+
+
+def bn_aggr(dst: Tile, data: Tile, name=None) -> None:
+    """Combine ``(count, mean, variance*count)`` triples (from ``bn_stats``) into the mean
+    and the (population) variance per partition (Vector Engine)."""
+    c = "bn_aggr"
+    T.check_onchip(c, "data", data)
+    T.check_onchip(c, "dst", dst)
+    if _elems(data) % 3:
+        raise rule(c, f"data holds {_elems(data)} elements per partition; needs a multiple of 3")
+    if dst.shape[0] != data.shape[0] or _elems(dst) != 2:
+        raise rule(c, f"dst must hold 2 elements per partition, got {dst.shape}")
+    t = _flat(data, c).reshape(data.shape[0], -1, 3).astype(np.float64)
+    cnt, mean, m2 = t[..., 0], t[..., 1], t[..., 2]
+    total = cnt.sum(axis=1)
+    with np.errstate(all="ignore"):
+        mu = (cnt * mean).sum(axis=1) / total
+        var = (m2 + cnt * (mean - mu[:, None]) ** 2).sum(axis=1) / total
+    prof.vector(data.shape, 1, (data.dtype, dst.dtype))
+    _write_flat(dst, np.stack([mu, var], axis=1), c)
+
+
+def tensor_partition_reduce(dst: Tile, op, data: Tile, name=None) -> None:
+    """Reduce ``data [P, ...]`` across its partitions into ``dst [1, ...]`` on the GpSimd
+    Engine: ``add``, ``average``, ``maximum``, ``bitwise_or``, ``bitwise_and``."""
+    c = "tensor_partition_reduce"
+    T.check_onchip(c, "data", data)
+    T.check_onchip(c, "dst", dst)
+    if "psum" in (data.buffer, dst.buffer):
+        raise rule(c, "the GpSimd Engine cannot access PSUM")
+    if dst.shape[0] != 1 or _elems(dst) != _elems(data):
+        raise rule(c, f"dst must be [1, {_elems(data)} elements], got {dst.shape}")
+    name_ = getattr(op, "__name__", None)
+    name_ = _REDUCE_ALIASES.get(name_, name_)
+    if name_ in ("bitwise_or", "bitwise_and"):
+        raw = _raw_int(data)
+        if raw is None:
+            raise rule(c, f"{name_} needs an integer tile")
+        fn = np.bitwise_or.reduce if name_ == "bitwise_or" else np.bitwise_and.reduce
+        prof.gpsimd(data.shape)
+        T.assign(dst, fn(raw, axis=0).astype(dst.dtype).reshape(dst.shape))
+        return
+    fns = {"add": np.sum, "average": np.mean, "maximum": np.max}
+    if name_ not in fns:
+        raise rule(c, f"op {op!r} unsupported; add, average, maximum, bitwise_or, bitwise_and")
+    prof.gpsimd(data.shape)
+    T.write(dst, fns[name_](_flat(data, c), axis=0).reshape(dst.shape), c)
 
 
 # -- gpsimd: iota / affine_select ------------------------------------------------------

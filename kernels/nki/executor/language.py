@@ -550,6 +550,18 @@ gelu_apprx_tanh = _unary(
     lambda a: 0.5 * a * (1.0 + np.tanh(np.float32(0.7978845608) * (a + 0.044715 * a**3))),
 )
 softplus = _unary("softplus", lambda a: np.logaddexp(np.float32(0.0), a))
+mish = _unary("mish", lambda a: a * np.tanh(np.logaddexp(np.float32(0.0), a)))
+gelu_apprx_sigmoid = _unary(
+    "gelu_apprx_sigmoid", lambda a: a / (np.float32(1.0) + np.exp(np.float32(-1.702) * a))
+)
+silu_dx = _unary(
+    "silu_dx",
+    lambda a: (1 / (1 + np.exp(-a))) * (1 + a * (1 - 1 / (1 + np.exp(-a)))),
+)
+gelu_dx = _unary(
+    "gelu_dx", lambda a: 0.5 * (1 + _erf(a / np.sqrt(2.0))) + a * np.exp(-0.5 * a * a) / 2.5066283
+)
+erf_dx = _unary("erf_dx", lambda a: np.float32(1.1283792) * np.exp(-a * a))
 erf = _unary("erf", _erf)
 sin = _unary("sin", np.sin)
 cos = _unary("cos", np.cos)
@@ -647,6 +659,7 @@ max = _reduce("max", np.max)  # noqa: A001
 min = _reduce("min", np.min)  # noqa: A001
 sum = _reduce("sum", np.sum)  # noqa: A001
 mean = _reduce("mean", np.mean)
+average = _reduce("average", np.mean)
 prod = _reduce("prod", np.prod)
 var = _reduce("var", np.var)
 

@@ -143,7 +143,8 @@ class LaunchContext:
         self.used = {"sbuf": 0, "psum": 0}
         self.shared: list[Tile] = []
         self.shared_pos = 0
-        self.act_regs = np.zeros(PMAX, dtype=np.float32)
+        self.act_regs = np.zeros(PMAX, dtype=np.float32)  # Scalar Engine accumulators
+        self.vec_regs = np.zeros(PMAX, dtype=np.float32)  # Vector Engine accumulators
         self.nc_version = target_version()
         self.sbuf_limit = SBUF_PARTITION_BYTES_BY_VERSION[self.nc_version]
 
