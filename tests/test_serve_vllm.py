@@ -1,10 +1,12 @@
 """``serve.py --engine vllm`` through real clients: vLLM's own OpenAI server, one per module.
 
 The server is ``python serve.py --engine vllm`` in a subprocess on the committed tiny
-set (``checkpoints/stdlib-v1``) with vLLM's ``draft_model`` chain of 3 (the committed
-draft LM), eager mode, 1 GiB of KV cache. Expected outputs come from the project's
-offline engine decoding the target plainly (greedy speculation is lossless, and vLLM
-and Hugging Face agree token for token on this target).
+set (``checkpoints/stdlib-v1``) with a top-K tree of the committed draft LM (vLLM's
+``draft_model`` proposer grown into a tree by the project's plugin), eager mode, 1 GiB
+of KV cache (a chain is vLLM's own proposer; its mapping is checked in test_serve.py).
+Expected outputs come from the project's offline engine decoding the target plainly
+(greedy speculation is lossless, and vLLM and Hugging Face agree token for token on
+this target).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SET = ROOT / "checkpoints" / "stdlib-v1"
 MAX_LEN = 256
 NAME = "stdlib-v1"
+TREE = "topk:k=2,depth=3,budget=6"
 START_TIMEOUT_S = 420
 TEXTS = [
     "def add(a, b):\n    return a + b\n\n\ndef",
@@ -47,7 +50,7 @@ def vsrv(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     argv = [sys.executable, str(ROOT / "serve.py"), "--engine", "vllm", "--port", str(port)]
-    argv += ["--model", str(SET), "--draft-model", str(SET / "draft"), "--tree", "chain:3"]
+    argv += ["--model", str(SET), "--draft-model", str(SET / "draft"), "--tree", TREE]
     argv += ["--max-model-len", str(MAX_LEN), "--max-batch", "16", "--enforce-eager"]
     argv += ["--log-level", "warning"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -108,7 +111,7 @@ def test_models_say_engine_tree_and_draft(vsrv):
     assert card["id"] == NAME and card["max_model_len"] == MAX_LEN
     assert card["owned_by"] == "vllm"  # vLLM's own server answers
     ts = card["treespec"]
-    assert (ts["engine"], ts["tree"], ts["drafter"]) == ("vllm", "chain:3", "draft")
+    assert (ts["engine"], ts["tree"], ts["drafter"]) == ("vllm", TREE, "draft")
     assert ts["drafter_path"] == str(SET / "draft")
 
 
@@ -136,6 +139,23 @@ def test_completions_greedy_equal_offline_stream_and_not(vsrv, offline):
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
         assert chunks[-1].choices[0].finish_reason == "length"
+    # the drafts were really accepted: more than one token per target forward
+    counters = _spec_counters(vsrv)
+    assert counters["num_drafts"] > 0
+    assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.5
+
+
+def _spec_counters(base: str) -> dict[str, float]:
+    """vLLM's ``vllm:spec_decode_*_total`` counters from ``/metrics``."""
+    out: dict[str, float] = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:spec_decode_num_") and "_total" in line.split()[0]:
+            name = line.split("{")[0].split()[0].removeprefix("vllm:spec_decode_")
+            if "per_pos" not in name:
+                out[name.removesuffix("_total")] = out.get(
+                    name.removesuffix("_total"), 0.0
+                ) + float(line.split()[-1])
+    return out
 
 
 def test_chat_stream_and_not_equal_offline(vsrv, offline):
@@ -199,10 +219,11 @@ def test_vllm_argv_is_what_the_server_runs(vsrv):
 
     cfg = resolve_config(
         ["--engine", "vllm", "--model", str(SET), "--draft-model", str(SET / "draft")]
-        + ["--tree", "chain:3", "--max-model-len", str(MAX_LEN)]
+        + ["--tree", TREE, "--max-model-len", str(MAX_LEN)]
     )
     cmd = vllm_command(cfg)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     sc = json.loads(cmd[cmd.index("--speculative-config") + 1])
-    assert sc == {"method": "draft_model", "model": str(SET / "draft"), "num_speculative_tokens": 3}
-    assert "--additional-config" not in cmd  # a chain is vLLM's own; no plugin key
+    assert sc == {"method": "draft_model", "model": str(SET / "draft"), "num_speculative_tokens": 6}
+    ac = json.loads(cmd[cmd.index("--additional-config") + 1])
+    assert ac == {"treespec": {"tree": TREE}}  # the plugin's key: num_speculative_tokens = budget
