@@ -247,8 +247,15 @@ def server_command(name: str, model_set: Path, a: argparse.Namespace) -> list[st
     eager = ["--enforce-eager"] if a.enforce_eager else []
     if name == "vllm-plain":
         return ["--engine", "vllm", *common, "--tree", "none", *eager]
-    if name == "vllm-tree":
-        tree = ["--tree", a.vllm_tree] if a.vllm_tree else []
+    if name.startswith("vllm-tree"):
+        policy = name.partition("=")[2]
+        spec, _, draft = policy.partition("@")
+        tree = ["--tree", spec] if spec else []
+        if draft:
+            tree += [
+                "--draft-model" if draft == "draft" else "--eagle-head",
+                str(model_set / draft),
+            ]
         return ["--engine", "vllm", *common, *tree, *eager]
     if name == "vllm-serve":
         target = model_set / "target" if (model_set / "target").is_dir() else model_set
@@ -322,7 +329,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = report["runs"]
+    runs = [r for r in report["runs"] if r["levels"]]
     levels = report["concurrency"]
     panels = [
         ("output_throughput", None, "output tokens / s"),
@@ -334,10 +341,11 @@ def plot(report: dict, path: Path) -> None:
     for ax, (key, key99, label) in zip(axes, panels):
         for k, run in enumerate(runs):
             xs = [i + k * width for i in range(len(levels))]
-            vals = [lv.get(key) or 0 for lv in run["levels"]]
+            by_c = {lv["concurrency"]: lv for lv in run["levels"]}
+            vals = [by_c.get(c, {}).get(key) or 0 for c in levels]
             bars = ax.bar(xs, vals, width, label=run["name"])
             if key99:
-                tops = [lv.get(key99) or 0 for lv in run["levels"]]
+                tops = [by_c.get(c, {}).get(key99) or 0 for c in levels]
                 ax.scatter(xs, tops, marker="_", s=200, color=bars.patches[0].get_facecolor())
         ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(levels))])
         ax.set_xticklabels([f"concurrency {c}" for c in levels])
@@ -374,7 +382,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="8 prompts of 32 -> 32 tokens")
     p.add_argument("--model", type=Path, help="model set directory (default: serve.py's)")
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset")
-    p.add_argument("--vllm-tree", help="tree of vllm-tree (default: serve.py's best for vLLM)")
+    p.add_argument(
+        "--vllm-tree",
+        action="append",
+        help="a vllm-tree run with this policy (repeatable: one run each; each may be a tree "
+        "spec, or 'SPEC@draft' / 'SPEC@eagle' for that draft of the model set; default: "
+        "serve.py's best for vLLM)",
+    )
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--input-len", type=int)
@@ -393,6 +407,9 @@ def main(argv: list[str] | None = None) -> dict:
     for n in names:
         if n not in SERVERS:
             p.error(f"argument --servers: unknown server {n!r}; known: {', '.join(SERVERS)}")
+    if a.vllm_tree and "vllm-tree" in names:  # one run per policy, in place of the default
+        i = names.index("vllm-tree")
+        names[i : i + 1] = [f"vllm-tree={t}" for t in a.vllm_tree]
     from tree_dev.server.config import DEFAULT_MODEL_SET
 
     model_set = a.model or DEFAULT_MODEL_SET
@@ -412,24 +429,27 @@ def main(argv: list[str] | None = None) -> dict:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(names) * len(a.concurrency), desc="serve_load")
     try:
-        for name in names:
+        for idx, name in enumerate(names):
             module = VLLM_SERVER_MODULE if name == "vllm-serve" else None
-            log_path = a.out.with_suffix(f".{name}.log")
+            log_path = a.out.with_suffix(f".{idx}-{name.partition('=')[0]}.log")
             srv = ServerProcess(server_command(name, model_set, a), log_path, module=module)
+            run = {"name": name, "command": srv.cmd, "log": str(log_path), "levels": []}
             try:
                 info = srv.wait_ready()
-                run = {"name": name, "command": srv.cmd, "model_id": info["id"]}
+                run["model_id"] = info["id"]
                 run["tree"] = (info.get("treespec") or {}).get("tree", "none")
                 run["server"] = info.get("treespec")
-                run["levels"] = []
                 vllm_bench_serve(srv.base, info["id"], target, 1, _warmup(a))
                 for c in a.concurrency:
                     bar.set_postfix(server=name, concurrency=c)
                     run["levels"].append(vllm_bench_serve(srv.base, info["id"], target, c, a))
                     bar.update()
-                report["runs"].append(run)
+            except Exception as e:  # noqa: BLE001 - a server that fails is reported, not fatal
+                run["error"] = f"{type(e).__name__}: {e}"
+                print(f"serve_load: {name} failed: {run['error']}", file=sys.stderr)
             finally:
                 srv.stop()
+            report["runs"].append(run)
     finally:
         bar.close()
     base = {
