@@ -122,8 +122,14 @@ def tree_attend(
     return out
 
 
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, with tree rows recomputed by ``kernels.tree_attention``."""
+class TreeRowsMixin:
+    """Tree rows on top of any vLLM attention implementation whose cache has the block
+    dimension first (``CPU_ATTN``; ``TRITON_ATTN`` on CUDA).
+
+    The base implementation's ``forward`` runs first (it is right for every row that is
+    not a tree row); the tree rows are then recomputed and overwritten. Draft forwards
+    (``TreeAttentionMetadata``) never reach the base kernel.
+    """
 
     def forward(
         self,
@@ -160,11 +166,15 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if rows is None or attn_metadata is None:
             return output
         q = query.view(query.shape[0], hq, d)[rows.row_index]
-        table = attn_metadata.block_table[rows.req_rows]
+        table = attn_metadata.block_table[rows.req_rows.to(attn_metadata.block_table.device)]
         out = tree_attend(self, layer, q, kv_cache, rows, table)
         out_view = output.view(output.shape[0], hq, d)
-        out_view[rows.row_index] = out.to(output.dtype)
+        out_view[rows.row_index.to(output.device)] = out.to(output.dtype)
         return output
+
+
+class TreeCPUAttentionImpl(TreeRowsMixin, CPUAttentionBackendImpl):
+    """vLLM's CPU attention, with tree rows recomputed by ``kernels.tree_attention``."""
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):
@@ -173,3 +183,28 @@ class TreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[TreeCPUAttentionImpl]:
         return TreeCPUAttentionImpl
+
+
+def triton_backend() -> type:
+    """``TRITON_ATTN`` with tree rows (CUDA; tree rows through the Triton tree kernel).
+
+    Built on first use: vLLM's Triton backend module imports CUDA-only pieces. Written
+    against vLLM 0.32's ``TritonAttentionImpl``; not yet run on a GPU.
+    """
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+    class TreeTritonAttentionImpl(TreeRowsMixin, TritonAttentionImpl):
+        pass
+
+    class TreeTritonAttentionBackend(TritonAttentionBackend):
+        @staticmethod
+        def get_impl_cls() -> type:
+            return TreeTritonAttentionImpl
+
+    return TreeTritonAttentionBackend
+
+
+def __getattr__(name: str):
+    if name == "TreeTritonAttentionBackend":  # the class path register_backend imports
+        return triton_backend()
+    raise AttributeError(name)

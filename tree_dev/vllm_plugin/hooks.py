@@ -92,6 +92,7 @@ def _runner_init(orig):
                 device=str(getattr(vllm_config.device_config, "device_type", "cpu")),
             )
             _register_attention_override()
+            _force_triton_on_cuda(vllm_config)
         orig(self, vllm_config, *args, **kwargs)
         if tree_cfg is not None:
             from tree_dev.vllm_plugin.runner import TreeRunner
@@ -110,11 +111,26 @@ def _register_attention_override() -> None:
             AttentionBackendEnum.CPU_ATTN,
             "tree_dev.vllm_plugin.attention.TreeCPUAttentionBackend",
         )
+    elif current_platform.is_cuda():
+        register_backend(
+            AttentionBackendEnum.TRITON_ATTN,
+            "tree_dev.vllm_plugin.attention.TreeTritonAttentionBackend",
+        )
     else:
         raise ValueError(
-            "treespec: tree verification inside vLLM is implemented for the CPU attention "
-            f"backend; platform {current_platform.device_type!r} is not supported yet"
+            "treespec: tree verification inside vLLM runs on the CPU and CUDA attention "
+            f"backends; platform {current_platform.device_type!r} is not supported"
         )
+
+
+def _force_triton_on_cuda(vllm_config) -> None:
+    """On CUDA the tree rows live in the Triton backend: select it for the engine."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        vllm_config.attention_config.backend = AttentionBackendEnum.TRITON_ATTN
 
 
 def _load_model(orig):

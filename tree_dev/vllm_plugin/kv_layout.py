@@ -50,12 +50,12 @@ class KVLayout:
                 f"treespec: KV cache dtype {kv_cache.dtype} is not supported by tree "
                 "verification (use kv_cache_dtype='auto')"
             )
-        _, hkv, bs, two_d = kv_cache.shape
-        d = two_d // 2
-        scratch = torch.zeros((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype)
-        slots = torch.arange(bs, dtype=torch.int64)
+        dev = kv_cache.device
+        bs, hkv, d = _geometry(impl, kv_cache)
+        scratch = torch.zeros((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype, device=dev)
+        slots = torch.arange(bs, dtype=torch.int64, device=dev)
         grids = torch.meshgrid(
-            torch.arange(bs), torch.arange(hkv), torch.arange(d), indexing="ij"
+            *(torch.arange(n, device=dev) for n in (bs, hkv, d)), indexing="ij"
         )  # s, h, d coordinates, each [bs, hkv, d]
         where: dict[str, torch.Tensor] = {}
         coords: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
@@ -66,7 +66,7 @@ class KVLayout:
                 zeros = torch.zeros_like(vals)
                 k, v = (vals, zeros) if which == "k" else (zeros, vals)
                 impl.do_kv_cache_update(layer, k, v, scratch, slots)
-                flat = scratch.reshape(-1).float()
+                flat = scratch.reshape(-1).float().cpu()
                 nz = torch.nonzero(flat).flatten()
                 if which not in where:
                     where[which] = nz
@@ -86,7 +86,7 @@ class KVLayout:
             if bool((idx < 0).any()):
                 raise ValueError(f"treespec: KV cache layout loses {which.upper()} elements")
             index[which] = idx
-        return KVLayout(bs, hkv, d, index["k"], index["v"])
+        return KVLayout(bs, hkv, d, index["k"].to(dev), index["v"].to(dev))
 
     def gather_blocks(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor
@@ -103,12 +103,24 @@ class KVLayout:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at flat ``slots`` (int64 ``[T]``): ``[T, Hkv, D]`` each."""
         flat = kv_cache.view(kv_cache.shape[0], -1)
+        slots = slots.to(self.k_index.device)
         blocks, offs = slots // self.block_size, slots % self.block_size
         rows = flat.index_select(0, blocks)  # [T, E]
         k = torch.gather(rows, 1, self.k_index[offs].view(slots.numel(), -1))
         v = torch.gather(rows, 1, self.v_index[offs].view(slots.numel(), -1))
         shape = (slots.numel(), self.num_kv_heads, self.head_size)
         return k.view(shape), v.view(shape)
+
+
+def _geometry(impl, kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, num_kv_heads, head_size) of a block-first cache."""
+    hkv = int(getattr(impl, "num_kv_heads", 0))
+    d = int(getattr(impl, "head_size", 0))
+    per_block = kv_cache[0].numel()
+    if not hkv or not d or per_block % (2 * hkv * d):
+        _, hkv, bs, two_d = kv_cache.shape  # CPU_ATTN: [blocks, Hkv, block_size, 2 * D]
+        return bs, hkv, two_d // 2
+    return per_block // (2 * hkv * d), hkv, d
 
 
 def contiguous_kv(
