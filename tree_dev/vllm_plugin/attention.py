@@ -18,6 +18,7 @@ Without an active tree the override is vLLM's own implementation, unchanged.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -66,6 +67,7 @@ class _Active:
 
     verify: TreeRows | None = None
     backend: str = "torch"
+    seconds: float = 0.0  # spent in tree_attend (verify and draft forwards)
 
 
 ACTIVE = _Active()
@@ -99,6 +101,7 @@ def tree_attend(
     impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, rows: TreeRows, block_table
 ) -> torch.Tensor:
     """Tree attention of ``rows`` (``query [T_rows, Hq, D]``) -> ``[T_rows, Hq, D]``."""
+    t0 = time.perf_counter()
     lay = layout_for(impl, layer, kv_cache)
     k, v = contiguous_kv(lay, kv_cache, block_table, rows.kv_lens)
     q = query
@@ -119,6 +122,7 @@ def tree_attend(
     )
     if rows.query_nodes is not None:
         out = out[rows.query_nodes]
+    ACTIVE.seconds += time.perf_counter() - t0
     return out
 
 

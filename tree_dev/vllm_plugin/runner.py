@@ -24,6 +24,7 @@ processors) get no tree: vLLM decodes them plainly, which is exact, only not fas
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,9 @@ class Stats:
     depth_tried: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
     fallback_requests: int = 0
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"walk": 0.0, "compact": 0.0, "propose": 0.0}
+    )
 
     def record(self, tree: TokenTree, accepted: int) -> None:
         self.steps += 1
@@ -75,6 +79,7 @@ class Stats:
             "depth_tried": list(self.depth_tried),
             "depth_accepted": list(self.depth_accepted),
             "fallback_requests": self.fallback_requests,
+            "seconds": {**self.seconds, "tree_attention": attention.ACTIVE.seconds},
         }
 
 
@@ -240,6 +245,7 @@ class TreeRunner:
         attention.ACTIVE.verify = None
         if v is None or spec_meta is None:
             return
+        t0 = time.perf_counter()
         r = self.runner
         sm = r.input_batch.sampling_metadata
         n_sampled = np.asarray(spec_meta.num_draft_tokens, dtype=np.int64) + 1
@@ -285,8 +291,11 @@ class TreeRunner:
                 self.stats.record(v.trees[j], n - 1)
                 moves.append((i, v.prefix_lens[j], acc_nodes[k][:n]))
                 self.accepted[v.req_ids[j]] = acc_nodes[k][:n]
+        t1 = time.perf_counter()
         if self.cfg.debug_disable != "compaction":
             self._compact(moves)
+        self.stats.seconds["walk"] += t1 - t0
+        self.stats.seconds["compact"] += time.perf_counter() - t1
 
     @staticmethod
     def _mode(sm, i: int) -> str:
@@ -320,6 +329,13 @@ class TreeRunner:
     # ----------------------------------------------------------------- propose
     def propose(self, scheduler_output, sampled_token_ids, hidden_states=None) -> list[list[int]]:
         """The next tree of every request that sampled this step (BFS draft tokens)."""
+        t0 = time.perf_counter()
+        try:
+            return self._propose(scheduler_output, sampled_token_ids, hidden_states)
+        finally:
+            self.stats.seconds["propose"] += time.perf_counter() - t0
+
+    def _propose(self, scheduler_output, sampled_token_ids, hidden_states) -> list[list[int]]:
         r = self.runner
         batch = r.input_batch
         budget = self.cfg.num_draft_tokens
