@@ -38,7 +38,7 @@ def llm():
         max_num_seqs=8,
         max_num_batched_tokens=96,
         speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 8},
-        additional_config={"treespec": {"tree": TREE}},
+        additional_config={"treespec": {"tree": TREE, "record_trees": 6}},
     )
     yield engine
     shutdown(engine)
@@ -100,3 +100,25 @@ def test_sampling_is_lossless(llm):
     assert k >= 2
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
     assert tree_stats(llm)["tree_steps"] >= n  # every second token came from a tree step
+
+
+def test_both_engines_grow_the_same_tree(llm):
+    """The plugin's first trees (vLLM's draft model) equal the local engine's (HF draft)
+    from the same context: one expansion module, two engines."""
+    from tree_dev.vllm_plugin.runner import worker_recorded_trees
+
+    recorded = llm.collective_rpc(worker_recorded_trees)[0]
+    assert len(recorded) == 6
+    from tree_dev.engine import Engine
+    from tree_dev.engine import SamplingParams as LocalParams
+
+    engine = Engine(TARGET, DRAFT, tree=TREE, max_batch=1, max_model_len=512)
+    proposals = []
+    grow = engine._propose
+    engine._propose = lambda batch: proposals.append(grow(batch)) or proposals[-1]
+    for rec in recorded:
+        proposals.clear()
+        engine.generate([rec["context"]], LocalParams(max_tokens=1, ignore_eos=True))
+        local = proposals[0][0]
+        assert local.tree.parents.tolist() == rec["parents"], rec["req_id"]
+        assert list(local.tokens) == rec["tokens"], rec["req_id"]

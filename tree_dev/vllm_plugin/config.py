@@ -13,6 +13,8 @@ Keys of the ``treespec`` dict read here (other keys belong to the accuracy tooli
   on CUDA, torch on the CPU).
 - ``debug_disable``: ``"mask"``, ``"positions"`` or ``"compaction"`` turns that part of tree
   verification off. For tests that prove the lossless checks can fail; never for serving.
+- ``record_trees``: keep the first N proposed trees in the worker (for tests comparing the
+  two engines' trees; ``runner.worker_recorded_trees``).
 
 Every mistake is a ``ValueError`` naming the field, raised when vLLM builds its config
 (in the process that calls ``LLM(...)`` or starts the server), before any model loads.
@@ -41,6 +43,7 @@ class TreeConfig:
     num_draft_tokens: int
     kernel_backend: str = "auto"
     debug_disable: str | None = None
+    record_trees: int = 0
 
     @property
     def uses_draft_model(self) -> bool:
@@ -156,7 +159,12 @@ def parse(
             f"kv_cache_dtype {kv_cache_dtype!r} is not supported with tree verification "
             "(use 'auto')"
         )
-    return TreeConfig(spec, policy, method, budget, backend, debug)
+    record = section.get("record_trees", 0)
+    if isinstance(record, bool) or not isinstance(record, int) or record < 0:
+        raise ValueError(
+            f"additional_config['treespec']['record_trees'] = {record!r}; expected an int >= 0"
+        )
+    return TreeConfig(spec, policy, method, budget, backend, debug, record)
 
 
 def _device(device: str):

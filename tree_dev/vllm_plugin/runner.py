@@ -126,6 +126,7 @@ class TreeRunner:
         self.draft_len: dict[str, int] = {}
         self.verify: _Verify | None = None
         self.stats = Stats()
+        self.recorded: list[dict] = []  # the first cfg.record_trees proposals
         self.target_layers: list[str] = []
         self.drafter = None
         # per step: (req ids, first query row, computed tokens, scheduled tokens) per row
@@ -418,6 +419,17 @@ class TreeRunner:
     def _store(self, rid: str, tree: TokenTree, tokens: list[int], out, i: int) -> None:
         if tree.num_nodes <= 1:
             return
+        if len(self.recorded) < self.cfg.record_trees:
+            batch = self.runner.input_batch
+            context = batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])]
+            self.recorded.append(
+                {
+                    "req_id": rid,
+                    "context": context.tolist(),
+                    "parents": tree.parents.tolist(),
+                    "tokens": list(tokens),
+                }
+            )
         self.proposals[rid] = Proposal(tree, list(tokens))
         out[i] = list(tokens[1:])
 
@@ -430,3 +442,9 @@ def worker_tree_stats(worker) -> dict:
     """Per-depth acceptance of a worker's runner: ``llm.collective_rpc(worker_tree_stats)``."""
     st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
     return st.stats.as_dict() if st is not None else {}
+
+
+def worker_recorded_trees(worker) -> list[dict]:
+    """The first ``record_trees`` proposals: request id, context, parents, tokens."""
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    return list(st.recorded) if st is not None else []
