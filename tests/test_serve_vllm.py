@@ -227,3 +227,15 @@ def test_vllm_argv_is_what_the_server_runs(vsrv):
     assert sc == {"method": "draft_model", "model": str(SET / "draft"), "num_speculative_tokens": 6}
     ac = json.loads(cmd[cmd.index("--additional-config") + 1])
     assert ac == {"treespec": {"tree": TREE}}  # the plugin's key: num_speculative_tokens = budget
+
+
+def test_vllm_benchmark_client_completes_without_failures(vsrv):
+    """vLLM's own load client (``vllm bench serve``, random dataset) at concurrency 4."""
+    import argparse
+
+    from bench.serve_load import vllm_bench_serve
+
+    a = argparse.Namespace(input_len=16, output_len=8, num_prompts=8, seed=0)
+    r = vllm_bench_serve(vsrv, NAME, SET / "target", 4, a)
+    assert (r["completed"], r["failed"]) == (8, 0)
+    assert r["total_output_tokens"] == 64 and r["output_throughput"] > 0
