@@ -66,7 +66,7 @@ def test_compiled_capture_layout_and_no_recompilation(compiled):
     assert warm["dynamo_unique_graphs"] >= 1  # dynamo traced the model (with the hooks) ...
     assert all(s == warm for s in stats)  # ... and nothing compiled again while capturing
     sizes = {len(f.metadata.positions) for f in fwds}
-    assert len(sizes) >= 3  # over prefill and decode shapes of several sizes
+    assert len(sizes) >= 2  # over the prefill and the decode shapes
 
 
 @pytest.mark.slow  # a second engine; test_accuracy_vllm names a planted bug in-process
