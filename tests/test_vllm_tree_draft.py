@@ -105,9 +105,7 @@ def test_sampling_is_lossless(llm):
 def test_both_engines_grow_the_same_tree(llm):
     """The plugin's first trees (vLLM's draft model) equal the local engine's (HF draft)
     from the same context: one expansion module, two engines."""
-    from tree_dev.vllm_plugin.runner import worker_recorded_trees
-
-    recorded = llm.collective_rpc(worker_recorded_trees)[0]
+    recorded = llm.collective_rpc("treespec_recorded_trees")[0]
     assert len(recorded) == 6
     from tree_dev.engine import Engine
     from tree_dev.engine import SamplingParams as LocalParams

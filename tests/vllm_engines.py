@@ -94,9 +94,7 @@ def spec_metrics(llm) -> dict:
 
 def tree_stats(llm) -> dict:
     """The plugin's per-depth statistics from the worker (``TreeRunner.stats``)."""
-    from tree_dev.vllm_plugin.runner import worker_tree_stats
-
-    return llm.collective_rpc(worker_tree_stats)[0]
+    return llm.collective_rpc("treespec_tree_stats")[0]
 
 
 _PLAIN: dict[tuple, list[list[int]]] = {}

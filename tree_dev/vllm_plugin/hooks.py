@@ -44,6 +44,7 @@ def install() -> None:
     from vllm.config import VllmConfig
 
     _wrap(VllmConfig, "__post_init__", _config_post_init)
+    _add_worker_methods()
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:  # a vLLM build without the V1 GPU runner module
@@ -59,6 +60,18 @@ def install() -> None:
     except ImportError:
         return
     _wrap(CPUModelRunner, "load_model", _load_model)
+
+
+def _add_worker_methods() -> None:
+    """``llm.collective_rpc("treespec_tree_stats")`` / ``("treespec_recorded_trees")``."""
+    try:
+        from vllm.v1.worker.worker_base import WorkerBase
+    except ImportError:
+        return
+    from tree_dev.vllm_plugin import runner
+
+    WorkerBase.treespec_tree_stats = runner.worker_tree_stats
+    WorkerBase.treespec_recorded_trees = runner.worker_recorded_trees
 
 
 def _config_post_init(orig):

@@ -439,7 +439,7 @@ def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
 
 
 def worker_tree_stats(worker) -> dict:
-    """Per-depth acceptance of a worker's runner: ``llm.collective_rpc(worker_tree_stats)``."""
+    """Per-depth acceptance of a worker's runner: ``llm.collective_rpc("treespec_tree_stats")``."""
     st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
     return st.stats.as_dict() if st is not None else {}
 
