@@ -895,3 +895,38 @@ def test_vllm_benchmark_client_completes_without_failures(srv, tokenizer, tmp_pa
     r = vllm_bench_serve(srv.base, "tiny", tmp_path, 4, a)
     assert (r["completed"], r["failed"]) == (8, 0)
     assert r["total_output_tokens"] == 64 and r["output_throughput"] > 0
+
+
+def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
+    p = tmp_path / "vllm_e2e.json"
+    assert config.read_best_vllm_policy(p)[:2] == config.VLLM_DEFAULT_POLICY
+
+    def summary(tree_ratio: float, builtin_ratio: float) -> dict:
+        s = {
+            "best_tree": "tree draft_model topk:k=2,depth=4,budget=8",
+            "best_tree_ratio": tree_ratio,
+            "best_builtin": "vllm eagle chain k=4",
+            "best_builtin_ratio": builtin_ratio,
+        }
+        return {"summary": {"batch1 T=0.0": s, "conc4 T=0.0": {}}}
+
+    p.write_text(json.dumps(summary(1.6, 1.2)))  # bench.vllm_e2e's own format
+    assert config.read_best_vllm_policy(p)[:2] == ("draft", "topk:k=2,depth=4,budget=8")
+    p.write_text(json.dumps(summary(1.1, 1.2)))
+    assert config.read_best_vllm_policy(p)[:2] == ("eagle", "chain:4")
+    p.write_text(json.dumps({"best_policy": {"method": "ngram", "tree": "ngram:budget=8"}}))
+    assert config.read_best_vllm_policy(p)[:2] == ("ngram", "ngram:budget=8")
+    p.write_text(json.dumps({"best_policy": {"method": "medusa", "tree": "chain:2"}}))
+    assert config.read_best_vllm_policy(p)[:2] == config.VLLM_DEFAULT_POLICY
+    # serve.py --engine vllm with no policy flags serves it, with the model set's draft
+    for sub in ("target", "eagle", "draft", "tokenizer"):
+        (tmp_path / sub).mkdir()
+    p.write_text(json.dumps(summary(1.6, 1.2)))
+    monkeypatch.setattr(config, "VLLM_E2E_REPORT", p)
+    c = _vllm("--model", str(tmp_path))
+    assert (c.drafter, c.drafter_path, c.tree) == (
+        "draft",
+        tmp_path / "draft",
+        "topk:k=2,depth=4,budget=8",
+    )
+    assert c.tree_source == f"best measured in {p}"

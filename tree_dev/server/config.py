@@ -224,31 +224,52 @@ def read_best_drafter(path: Path | None = None) -> str | None:
     return kind if kind in ("eagle", "draft") else None
 
 
-def read_best_vllm_policy(path: Path | None = None) -> tuple[str, str, str]:
-    """``(drafter kind, tree spec, source)`` of vLLM's best measured policy.
+def read_best_vllm_policy(path: Path | None = None) -> tuple[str | None, str, str]:
+    """``(drafter kind or None, tree spec, source)`` of vLLM's best measured policy.
 
-    ``best_policy`` of ``results/vllm_e2e.json`` is an object with ``method`` (a vLLM
-    method: ``draft_model``, ``eagle``, ``ngram``) and ``tree`` (a spec; a tree other
-    than a chain needs the plugin). Without a valid one: ``VLLM_DEFAULT_POLICY``.
+    From ``results/vllm_e2e.json`` (``python -m bench.vllm_e2e``): its ``best_policy``
+    object (``method``: a vLLM method, ``tree``: a spec) when it has one, else its
+    ``summary`` for greedy batch 1 (``"batch1 T=0.0"``): the faster of the best tree
+    and the best vLLM method, by their ratio to vLLM plain. A tree other than a chain
+    needs the plugin. Without a usable report: ``VLLM_DEFAULT_POLICY``.
     """
     from tree_dev.spec import parse_tree_spec
 
     path = VLLM_E2E_REPORT if path is None else path
     kind, tree = VLLM_DEFAULT_POLICY
     try:
-        best = json.loads(Path(path).read_text())["best_policy"]
-        method, spec = best["method"], best["tree"]
+        doc = json.loads(Path(path).read_text())
+        best = doc.get("best_policy")
+        if best is not None:
+            method, spec = best["method"], best["tree"]
+        else:
+            s = doc["summary"]["batch1 T=0.0"]
+            key = "best_tree" if s["best_tree_ratio"] >= s["best_builtin_ratio"] else "best_builtin"
+            method, spec = _vllm_e2e_name(s[key])
         parse_tree_spec(spec)
-        if method not in VLLM_METHODS:
+        if method is not None and method not in VLLM_METHODS:
             raise ValueError(f"unknown method {method!r}")
-        if not _is_chain(spec) and not vllm_plugin_available():
+        if not _is_chain(spec) and spec != "none" and not vllm_plugin_available():
             raise ValueError(f"tree {spec!r} needs the tree plugin, which is not installed")
-        return VLLM_METHODS[method], spec, f"best_policy of {path}"
+        return (VLLM_METHODS[method] if method else None), spec, f"best measured in {path}"
     except FileNotFoundError:
         return kind, tree, f"default (no {path})"
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
-        log.warning("ignoring best_policy of %s (%s); using %s %s", path, e, kind, tree)
-        return kind, tree, f"default ({path} has no valid best_policy)"
+    except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as e:
+        log.warning("ignoring the best policy of %s (%s); using %s %s", path, e, kind, tree)
+        return kind, tree, f"default ({path} has no usable best policy)"
+
+
+def _vllm_e2e_name(name: str) -> tuple[str | None, str]:
+    """``bench.vllm_e2e``'s configuration names -> ``(vLLM method or None, tree spec)``:
+    ``"tree METHOD SPEC"``, ``"vllm plain"``, ``"vllm METHOD [chain] k=K"``."""
+    words = name.split()
+    if words[:1] == ["tree"] and len(words) == 3:
+        return words[1], words[2]
+    if words == ["vllm", "plain"]:
+        return None, "none"
+    if words[:1] == ["vllm"] and words[-1].startswith("k="):
+        return words[1], f"chain:{int(words[-1][2:])}"
+    raise ValueError(f"unknown configuration name {name!r}")
 
 
 def _is_chain(spec: str) -> bool:
@@ -532,7 +553,8 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
             tokenizer = model / "tokenizer"
         if engine == "vllm" and tree is None and drafter is None:
             kind, tree, source = read_best_vllm_policy()
-            drafter = (kind, None if kind == "ngram" else model / kind)
+            if kind is not None:
+                drafter = (kind, None if kind == "ngram" else model / kind)
         if drafter is None and tree != "none":
             has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
             if engine == "vllm":  # the EAGLE head, exported for vLLM at start-up
