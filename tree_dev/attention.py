@@ -38,10 +38,11 @@ class TreeForward:
         new_rows: ``int64[T_new]`` rows of ``tree`` computed by this forward, or
             None when all rows are new.
         backend: kernels backend.
-        causal_kv: decode steps only (one new token per request, seeing its whole
-            sequence; ``tree`` unused): per request, the flat cache slots of its
-            tokens so far, new one included, in position order: a ``slice`` of
-            consecutive slots or an ``int64`` index tensor.
+        causal_kv: small forwards only (``tree`` unused): per request, the flat
+            cache slots of its first ``L`` tokens in position order (a ``slice`` of
+            consecutive slots, or an ``int64`` index tensor) and a bool mask
+            ``[rows, L]`` of what each new row sees (None: everything).
+        causal_rows: with ``causal_kv``, the number of new rows of each request.
     """
 
     cache: PagedKVCache
@@ -51,23 +52,32 @@ class TreeForward:
     write_slots: torch.Tensor
     new_rows: torch.Tensor | None
     backend: str = "auto"
-    causal_kv: list[slice | torch.Tensor] | None = None
+    causal_kv: list[tuple[slice | torch.Tensor, torch.Tensor | None]] | None = None
+    causal_rows: list[int] | None = None
 
 
 def _causal_decode(
     query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, ctx: TreeForward, scaling
 ) -> torch.Tensor:
-    """``query [1, Hq, B, D]`` (one token per request) -> ``[1, B, Hq, D]``."""
+    """``query [1, Hq, T_new, D]`` (a few rows per request) -> ``[1, T_new, Hq, D]``: one
+    SDPA call per request over its cached tokens, masked by ``ctx.causal_kv``."""
     hq, hkv = query.shape[1], k_flat.shape[1]
-    outs = []
-    for r, kv in enumerate(ctx.causal_kv):
+    rows = ctx.causal_rows or [1] * len(ctx.causal_kv)
+    outs, start = [], 0
+    for (kv, mask), t in zip(ctx.causal_kv, rows):
         k = k_flat[kv].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_flat[kv].transpose(0, 1)[None]
         outs.append(
             F.scaled_dot_product_attention(
-                query[:, :, r : r + 1], k, v, scale=scaling, enable_gqa=hq != hkv
+                query[:, :, start : start + t],
+                k,
+                v,
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=hq != hkv,
             )
         )
+        start += t
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2)
 

@@ -70,6 +70,10 @@ def _batch_of(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
 
 
 TRUNK_LIMIT = 32  # catch-up chains up to this long ride along in the draft's first level
+# forwards of at most this many new nodes per request and in all attend row by row
+# (one SDPA call per row and layer, no tree plan): decode steps and draft levels
+ROW_PATH_NODES = 4
+ROW_PATH_ROWS = 16
 
 
 # --------------------------------------------------------------------------- requests
@@ -200,6 +204,7 @@ class Runner:
         tokens: list[int],
         feats: torch.Tensor | None = None,
         want_logits: bool = True,
+        logit_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute the new nodes of each request's tree.
 
@@ -210,19 +215,24 @@ class Runner:
                 None for all nodes. Other nodes' K/V must already be cached.
             tokens: token id of every new node, packed in request order.
             feats: EAGLE only, ``[T_new, H]`` target features paired with tokens.
+            logit_rows: the packed rows whose logits are wanted (None: all).
 
         Returns:
             ``hidden [T_new, H]`` (the model's final hidden state) and
-            ``logits [T_new, V]`` (None unless ``want_logits``).
+            ``logits [len(logit_rows) or T_new, V]`` (None unless ``want_logits``).
         """
-        if self._is_decode(trees, new_nodes):
-            return self._decode(req_ids, prefix_lens, trees, tokens, feats, want_logits)
+        nodes_per = [range(t.num_nodes) for t in trees] if new_nodes is None else new_nodes
+        if max(len(n) for n in nodes_per) <= ROW_PATH_NODES and sum(map(len, nodes_per)) <= (
+            ROW_PATH_ROWS
+        ):
+            return self._forward_rows(
+                req_ids, prefix_lens, trees, nodes_per, tokens, feats, want_logits, logit_rows
+            )
         batch = _batch_of(tuple(trees), self.device)
         positions, slots, rows = [], [], []
         for r, (rid, plen, tree) in enumerate(zip(req_ids, prefix_lens, trees)):
             self.cache.reserve(rid, plen + tree.num_nodes)
-            nodes = range(tree.num_nodes) if new_nodes is None else new_nodes[r]
-            nodes_t = torch.tensor(list(nodes), dtype=torch.int64)
+            nodes_t = torch.tensor(list(nodes_per[r]), dtype=torch.int64)
             positions.append(plen + tree.depth[nodes_t])
             slots.append(self.cache.slots(rid, plen + nodes_t))
             rows.append(int(batch.cu_nodes[r]) + nodes_t)
@@ -235,29 +245,36 @@ class Runner:
             new_rows=None if new_nodes is None else torch.cat(rows).to(self.device),
             backend=self.backend,
         )
-        return self._run(tokens, torch.cat(positions).to(self.device), ctx, feats, want_logits)
+        pos = torch.cat(positions).to(self.device)
+        return self._run(tokens, pos, ctx, feats, want_logits, logit_rows)
 
-    @staticmethod
-    def _is_decode(trees: list[TokenTree], new_nodes: list[list[int]] | None) -> bool:
-        """Every request computes one node that sees its whole sequence: the last node
-        of a chain (a plain decode step, a chain draft's next level)."""
-        if new_nodes is None:
-            return all(t.num_nodes == 1 for t in trees)
-        return all(
-            len(n) == 1 and n[0] == t.num_nodes - 1 and t.max_depth == t.num_nodes - 1
-            for t, n in zip(trees, new_nodes)
-        )
-
-    def _decode(self, req_ids, prefix_lens, trees, tokens, feats, want_logits):
-        """``forward`` of one token per request, attending to all earlier ones: no tree
-        plan, one SDPA call per request and layer over a view of its cache."""
+    def _forward_rows(
+        self, req_ids, prefix_lens, trees, nodes_per, tokens, feats, want_logits, logit_rows
+    ):
+        """``forward`` of a few new nodes (a decode step, a draft level): per request,
+        one SDPA call per layer over a view of its cache (prefix + tree nodes, when its
+        blocks are consecutive), masked to each node's prefix and root path (no mask for
+        a single node that sees everything: a plain decode step)."""
         cache, positions, slots, kv = self.cache, [], [], []
-        for rid, plen, tree in zip(req_ids, prefix_lens, trees):
-            pos = plen + tree.num_nodes - 1
-            cache.reserve(rid, pos + 1)
-            positions.append(pos)
-            slots.append(cache.slot(rid, pos))
-            kv.append(cache.causal_slots(rid, pos + 1))
+        for rid, plen, tree, nodes in zip(req_ids, prefix_lens, trees, nodes_per):
+            n_all = tree.num_nodes
+            cache.reserve(rid, plen + n_all)
+            if n_all == 1:
+                positions.append(plen)
+                slots.append(cache.slot(rid, plen))
+                kv.append((cache.causal_slots(rid, plen + 1), None))
+                continue
+            depth = tree.depth.tolist()
+            last = max(nodes)
+            for n in nodes:
+                positions.append(plen + depth[n])
+                slots.append(cache.slot(rid, plen + n))
+            mask = None
+            if len(nodes) > 1 or depth[last] != last:  # else: a chain's last node
+                mask = torch.ones(len(nodes), plen + last + 1, dtype=torch.bool)
+                mask[:, plen:] = tree.ancestor_mask[list(nodes), : last + 1]
+                mask = mask.to(self.device)
+            kv.append((cache.causal_slots(rid, plen + last + 1), mask))
         ctx = TreeForward(
             cache=cache,
             tree=None,
@@ -267,20 +284,25 @@ class Runner:
             new_rows=None,
             backend=self.backend,
             causal_kv=kv,
+            causal_rows=[len(n) for n in nodes_per],
         )
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return self._run(tokens, pos_t, ctx, feats, want_logits)
+        return self._run(tokens, pos_t, ctx, feats, want_logits, logit_rows)
 
-    def _run(self, tokens, positions, ctx, feats, want_logits):
+    def _run(self, tokens, positions, ctx, feats, want_logits, logit_rows=None):
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)[None]
         pos = positions[None]
-        if self.eagle:
-            out = self.model(ids, feats[None], position_ids=pos, tree_ctx=ctx)
-            return out.hidden_states[0], (out.logits[0] if want_logits else None)
-        hidden = self.model.model(
-            input_ids=ids, position_ids=pos, use_cache=False, tree_ctx=ctx
-        ).last_hidden_state[0]
-        return hidden, (self.model.lm_head(hidden) if want_logits else None)
+        m = self.model
+        if self.eagle:  # EagleHead.forward, with the lm_head on the wanted rows only
+            z = m.fc(torch.cat([m.embed(ids), feats[None].to(m.fc.weight.dtype)], -1))
+            out = m.decoder(inputs_embeds=z, position_ids=pos, use_cache=False, tree_ctx=ctx)
+            hidden, head = out.last_hidden_state[0], m.lm_head
+        else:
+            out = m.model(input_ids=ids, position_ids=pos, use_cache=False, tree_ctx=ctx)
+            hidden, head = out.last_hidden_state[0], m.lm_head
+        if not want_logits:
+            return hidden, None
+        return hidden, head(hidden if logit_rows is None else hidden[logit_rows])
 
     def prefill(
         self,
@@ -581,6 +603,11 @@ class Engine:
             feats = None
             if dr.eagle:
                 feats = torch.cat([g.node_feats(nodes) for g, nodes in zip(active, new_nodes)])
+            # logits only at the nodes that grow children (the root, not the trunk)
+            logit_rows, offset = [], 0
+            for g, nodes in zip(active, new_nodes):
+                logit_rows += [offset + i for i in g.growing_rows()]
+                offset += len(nodes)
             hidden, logits = dr.forward(
                 [g.req.req_id for g in active],
                 [g.req.draft_len for g in active],
@@ -588,12 +615,13 @@ class Engine:
                 new_nodes,
                 tokens,
                 feats=feats,
+                logit_rows=logit_rows,
             )
             self.forwards["draft"] += 1
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             for g, lp, h in zip(
                 active,
-                logprobs.split([len(n) for n in new_nodes]),
+                logprobs.split([len(g.growing_rows()) for g in active]),
                 hidden.split([len(n) for n in new_nodes]),
             ):
                 g.absorb(lp, h)
@@ -785,12 +813,15 @@ class _TreeGrower:
                 out.append(self.fwd_hidden[self.fwd_parents[n]])
         return torch.stack(out)
 
+    def growing_rows(self) -> list[int]:
+        """Rows of ``next_nodes()`` that grow children: of the trunk only the root."""
+        return [self.root_fwd] if self.level == 0 else list(range(len(self._to_forward)))
+
     def absorb(self, logprobs: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Take the draft's output for the nodes just forwarded; pick the next ones."""
+        """Take the draft's output for the nodes just forwarded (``logprobs`` at the
+        ``growing_rows``, ``hidden`` at all); pick the next ones."""
         for n, h in zip(self._to_forward, hidden):
             self.fwd_hidden[n] = h
-        if self.level == 0:  # only the root's row of the trunk proposes children
-            logprobs = logprobs[-1:]
         self.level += 1
         ex = self.expansion
         ex.absorb(logprobs)
