@@ -281,6 +281,48 @@ def _expected_features(model: nn.Module, name: str, hidden: int, vocab: int) -> 
     return None
 
 
+# ----------------------------------------------------------------------------- async writes
+
+
+class _AsyncWrites:
+    """Capture writes on a background thread, so the disk I/O of step ``s`` overlaps the
+    sampling, scheduling and forward of the next steps. :meth:`flush` waits for every
+    submitted write (and re-raises the first error); the runner flushes before a step
+    whose batch may finish a request returns, so a request's captures are complete on
+    disk when its output reaches the user."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self._q: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="treespec-capture", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            try:
+                if self._error is None:
+                    fn()
+            except BaseException as e:  # surfaced by flush()
+                self._error = e
+            finally:
+                self._q.task_done()
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        if self._error is not None:
+            self.flush()
+        self._q.put(fn)
+
+    def flush(self) -> None:
+        self._q.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+
 # ----------------------------------------------------------------------------- runner state
 
 
@@ -299,6 +341,7 @@ class _RunnerState:
     step_meta: dict[str, Any] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
     warmup_stats: dict[str, int] = field(default_factory=dict)
+    writes: _AsyncWrites | None = None
 
 
 def compile_stats() -> dict[str, int]:
@@ -594,14 +637,25 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
         if len(tree["parents"]) <= slots:
             tree_md = tree
     meta["seq"] = cap.writer._seq
-    cap.save_tensor_captures(
-        positions,
-        meta["is_prefill"],
-        req_ids=meta["req_ids"],
-        padding_mask=padding,
-        token_ids=token_ids,
-        tree=tree_md,
-        extra=extra,
+    items = cap.registry.get_all()
+    TensorRegistry._instance, cap._prev_instance = cap._prev_instance, None
+    if not items:
+        return
+    if st.writes is None:
+        st.writes = _AsyncWrites()
+    st.writes.submit(
+        functools.partial(
+            cap.writer.write,
+            [t for _, t in items],
+            [n for n, _ in items],
+            meta["req_ids"],
+            positions,
+            meta["is_prefill"],
+            tree=tree_md,
+            padding_mask=padding,
+            token_ids=token_ids,
+            extra=extra,
+        )
     )
 
 
@@ -610,6 +664,8 @@ def _wrap_execute_model(runner, orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def execute_model(scheduler_output, *args, **kwargs):
+        if st.writes is not None:
+            st.writes.flush()
         st.scheduler_output = scheduler_output
         if st.replacer is not None:
             for new in scheduler_output.scheduled_new_reqs:
@@ -618,6 +674,39 @@ def _wrap_execute_model(runner, orig: Callable) -> Callable:
         return orig(scheduler_output, *args, **kwargs)
 
     return execute_model
+
+
+def _may_finish(runner, output: Any) -> bool:
+    """Whether a request of this step may have finished (a stop token sampled, or its
+    token budget nearly spent): then its captures are flushed before the output leaves."""
+    req_ids = getattr(output, "req_ids", None)
+    sampled = getattr(output, "sampled_token_ids", None)
+    if req_ids is None or sampled is None:
+        return True
+    for i, rid in enumerate(req_ids):
+        rs = runner.requests.get(rid)
+        sp = getattr(rs, "sampling_params", None)
+        if sp is None or sp.max_tokens is None:
+            return True
+        toks = list(sampled[i]) if i < len(sampled) else []
+        if set(toks) & set(sp.all_stop_token_ids or ()):
+            return True
+        if len(rs.output_token_ids) + len(toks) + 2 + runner.num_spec_tokens >= sp.max_tokens:
+            return True
+    return False
+
+
+def _wrap_sample_tokens(runner, orig: Callable) -> Callable:
+    st = runner_state(runner)
+
+    @functools.wraps(orig)
+    def sample_tokens(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        if st.writes is not None and _may_finish(runner, out):
+            st.writes.flush()
+        return out
+
+    return sample_tokens
 
 
 def _wrap_load_model(runner, orig: Callable) -> Callable:
@@ -654,6 +743,7 @@ def _init_runner(runner) -> None:
     runner.load_model = _wrap_load_model(runner, runner.load_model)
     runner.execute_model = _wrap_execute_model(runner, runner.execute_model)
     runner._model_forward = _wrap_model_forward(runner, runner._model_forward)
+    runner.sample_tokens = _wrap_sample_tokens(runner, runner.sample_tokens)
 
 
 def _patch_worker(cls) -> None:

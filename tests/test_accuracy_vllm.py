@@ -226,7 +226,9 @@ def test_prefix_match_corner_cases_through_vllm(env):
     assert got == {k: want for k, (_, want) in cases.items()}
 
 
+@pytest.mark.slow  # a failed engine start-up takes a minute or more here; the check itself
 def test_unknown_module_pattern_fails_at_start_up_naming_it(tmp_path, capfd):
+    """Runs in the worker (test_accuracy_vllm_units tests it fast); here: it reaches the user."""
     cfg = {
         "treespec": {
             "tensor_capture": {"modules": ["model.layerz.0"], "capture_dir": str(tmp_path)}

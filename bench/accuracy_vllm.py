@@ -1,0 +1,192 @@
+"""The accuracy tooling inside vLLM: capture overhead on decode, and the HF-vs-vLLM workflow.
+
+    python -m bench.accuracy_vllm [--reps 5] [--max-tokens 64] [--skip-workflow]
+        [--out results/accuracy_vllm.json]
+
+1. Capture overhead, side by side in one run: two compiled engines on the committed tiny
+   target (fp32), one plain and one capturing every decoder layer
+   (``model.layers.0-5``, written to disk), timed rep by rep in alternation at batch 1
+   and 4. Decode time per step = (time of ``max_tokens`` tokens - time of 1 token) /
+   (``max_tokens`` - 1), median over reps. Overhead = capture / plain - 1 (target <= 15%).
+2. ``python -m accuracy hf-vs-vllm`` on 8 prompts x 32 tokens (compiled), wall time
+   (target: within 2 minutes) and its verdict.
+
+Writes JSON and a PNG; measures, never fails on a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(ROOT, "checkpoints", "stdlib-v1", "target")
+PROMPTS = [
+    "def __init__(self, name, value=None):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Queue:\n    def put(self, item):\n",
+    "    for key, value in sorted(items.items()):\n",
+    "# Copyright 2001 Python Software Foundation\n",
+    'def read_config(path):\n    """Read',
+    "    try:\n        return self._cache[key]\n    except",
+    "if __name__ == '__main__':\n",
+]
+
+
+def _engine(capture_dir: str | None):
+    from vllm import LLM
+
+    cfg = {}
+    if capture_dir:
+        cfg = {
+            "treespec": {
+                "tensor_capture": {"modules": ["model.layers.0-5"], "capture_dir": capture_dir}
+            }
+        }
+    return LLM(
+        model=TARGET,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=False,
+        additional_config=cfg,
+    )
+
+
+def _time(llm, prompts: list[str], n: int) -> float:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def overhead(reps: int, max_tokens: int) -> dict:
+    """Decode ms/step of a plain and a capturing compiled engine, batch 1 and 4."""
+    from tqdm import tqdm
+
+    tmp = tempfile.mkdtemp(prefix="acc_vllm_bench_")
+    t0 = time.perf_counter()
+    engines = {"plain": _engine(None), "capture": _engine(os.path.join(tmp, "caps"))}
+    startup = time.perf_counter() - t0
+    out: dict = {"startup_s_both": startup, "batches": {}}
+    try:
+        for batch in (1, 4):
+            prompts = PROMPTS[:batch]
+            for llm in engines.values():  # warm both
+                _time(llm, prompts, max_tokens)
+            per: dict[str, list[float]] = {k: [] for k in engines}
+            for _ in tqdm(range(reps), desc=f"batch {batch}"):
+                for name, llm in engines.items():
+                    full = _time(llm, prompts, max_tokens)
+                    first = _time(llm, prompts, 1)
+                    per[name].append(1e3 * (full - first) / (max_tokens - 1))
+            med = {k: statistics.median(v) for k, v in per.items()}
+            out["batches"][str(batch)] = {
+                "decode_ms_per_step": med,
+                "samples_ms": per,
+                "overhead": med["capture"] / med["plain"] - 1.0,
+            }
+        caps = os.path.join(tmp, "caps", "dp0")
+        out["passes_written"] = len(os.listdir(caps)) if os.path.isdir(caps) else 0
+    finally:
+        del engines
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def workflow(max_tokens: int = 32) -> dict:
+    """Wall time and verdict of ``python -m accuracy hf-vs-vllm`` on the 8 prompts."""
+    tmp = tempfile.mkdtemp(prefix="acc_hf_vs_vllm_")
+    prompts = os.path.join(tmp, "prompts.json")
+    with open(prompts, "w") as f:
+        json.dump(PROMPTS, f)
+    cmd = [sys.executable, "-m", "accuracy", "hf-vs-vllm", "--model", TARGET]
+    cmd += ["--prompts", prompts, "--max-tokens", str(max_tokens), "--out", f"{tmp}/out"]
+    t = time.perf_counter()
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    verdict = [ln for ln in res.stdout.splitlines() if ln.startswith("hf-vs-vllm:")]
+    summaries = [ln for ln in res.stdout.splitlines() if ln.startswith("SUMMARY:")]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "command": " ".join(cmd[1:]),
+        "prompts": len(PROMPTS),
+        "max_tokens": max_tokens,
+        "wall_s": wall,
+        "returncode": res.returncode,
+        "verdict": verdict[-1] if verdict else res.stderr[-500:],
+        "summaries": summaries,
+    }
+
+
+def plot(result: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    batches = sorted(result["overhead"]["batches"], key=int)
+    w = 0.35
+    for i, mode in enumerate(("plain", "capture")):
+        vals = [result["overhead"]["batches"][b]["decode_ms_per_step"][mode] for b in batches]
+        ax.bar([j + i * w for j in range(len(batches))], vals, w, label=mode)
+    for j, b in enumerate(batches):
+        ov = result["overhead"]["batches"][b]["overhead"]
+        ax.annotate(f"{100 * ov:+.0f}%", (j + w / 2, 0), ha="center", va="bottom")
+    ax.set_xticks([j + w / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode ms / step (compiled vLLM)")
+    ax.set_title("capture of every decoder layer")
+    ax.legend()
+    if "workflow" in result:
+        wf = result["workflow"]
+        bx.bar(["hf-vs-vllm"], [wf["wall_s"]])
+        bx.axhline(120, color="red", linestyle="--", label="2 min target")
+        bx.set_ylabel("seconds")
+        bx.set_title(f"{wf['prompts']} prompts x {wf['max_tokens']} tokens")
+        bx.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--skip-workflow", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "accuracy_vllm.json"))
+    args = p.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    result = {"overhead": overhead(args.reps, args.max_tokens)}
+    if not args.skip_workflow:
+        result["workflow"] = workflow()
+    from accuracy.tensor_io import atomic_write_json
+
+    atomic_write_json(args.out, result)
+    png = plot(result, os.path.splitext(args.out)[0] + ".png")
+    for b, r in result["overhead"]["batches"].items():
+        m = r["decode_ms_per_step"]
+        print(
+            f"batch {b}: decode {m['plain']:.2f} ms/step plain, {m['capture']:.2f} capturing "
+            f"({100 * r['overhead']:+.1f}%)"
+        )
+    if "workflow" in result:
+        wf = result["workflow"]
+        print(f"hf-vs-vllm 8x32: {wf['wall_s']:.1f} s, rc {wf['returncode']}: {wf['verdict']}")
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
