@@ -21,6 +21,22 @@ from vllm_engines import (  # noqa: E402
 )
 
 PROMPTS = held_out_prompts(50, seed=2)
+FALLBACK = held_out_prompts(6, seed=7)
+
+
+def fallback_params():
+    """Sampling features that assume chains: these requests are decoded plainly."""
+    from vllm import SamplingParams
+
+    kw = [
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.8},
+        {"frequency_penalty": 0.5},
+        {"logprobs": 2},
+        {"min_tokens": 30},
+        {"bad_words": ["def"]},
+    ]
+    return [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **k) for k in kw]
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +55,27 @@ def llm():
 
 @pytest.fixture(scope="module")
 def reference():
-    return plain_outputs(PROMPTS)
+    from vllm_engines import greedy_params
+
+    both = plain_outputs(PROMPTS + FALLBACK, params=greedy_params(len(PROMPTS)) + fallback_params())
+    return both[: len(PROMPTS)], both[len(PROMPTS) :]
 
 
 def test_lossless_at_batch_1(llm, reference):
-    assert_lossless(llm, PROMPTS, reference, batch1=True)
+    assert_lossless(llm, PROMPTS, reference[0], batch1=True)
 
 
 def test_lossless_with_8_concurrent_and_preemption(llm, reference):
-    assert_lossless(llm, PROMPTS, reference, batch1=False)
+    assert_lossless(llm, PROMPTS, reference[0], batch1=False)
+
+
+def test_chain_only_features_fall_back_to_exact_plain_decoding(llm, reference):
+    from vllm_engines import generate
+
+    before = tree_stats(llm)["fallback_requests"]
+    outs = generate(llm, FALLBACK, fallback_params())
+    assert outs == reference[1]
+    assert tree_stats(llm)["fallback_requests"] > before
 
 
 def test_trie_drafts_are_accepted(llm):

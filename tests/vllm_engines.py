@@ -100,13 +100,17 @@ def tree_stats(llm) -> dict:
 _PLAIN: dict[tuple, list[list[int]]] = {}
 
 
-def plain_outputs(prompts: list[list[int]], enforce_eager: bool = True) -> list[list[int]]:
-    """vLLM's own plain greedy outputs for ``prompts`` (computed once per session)."""
-    key = (enforce_eager, tuple(tuple(p) for p in prompts))
+def plain_outputs(
+    prompts: list[list[int]], enforce_eager: bool = True, params: list | None = None
+) -> list[list[int]]:
+    """vLLM's own plain outputs for ``prompts`` (greedy ``greedy_params`` unless ``params``
+    is given, one per prompt), computed once per session."""
+    params = params if params is not None else greedy_params(len(prompts))
+    key = (enforce_eager, tuple(tuple(p) for p in prompts), tuple(repr(x) for x in params))
     if key not in _PLAIN:
         llm = make_llm(enforce_eager=enforce_eager, max_num_seqs=8)
         try:
-            _PLAIN[key] = generate(llm, prompts, greedy_params(len(prompts)))
+            _PLAIN[key] = generate(llm, prompts, params)
         finally:
             shutdown(llm)
     return _PLAIN[key]

@@ -140,6 +140,7 @@ class TreeRunner:
         spec = runner.speculative_config
         if spec is not None:
             spec.disable_padded_drafter_batch = True
+        self._profile = _Profiler.from_env()
 
     # ----------------------------------------------------------------- set-up
     def on_model_loaded(self) -> None:
@@ -335,6 +336,8 @@ class TreeRunner:
             return self._propose(scheduler_output, sampled_token_ids, hidden_states)
         finally:
             self.stats.seconds["propose"] += time.perf_counter() - t0
+            if self._profile is not None:
+                self._profile.tick()
 
     def _propose(self, scheduler_output, sampled_token_ids, hidden_states) -> list[list[int]]:
         r = self.runner
@@ -448,3 +451,29 @@ def worker_recorded_trees(worker) -> list[dict]:
     """The first ``record_trees`` proposals: request id, context, parents, tokens."""
     st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
     return list(st.recorded) if st is not None else []
+
+
+class _Profiler:
+    """Developer switch: ``TREESPEC_PROFILE=FILE`` profiles the worker (cProfile) and
+    rewrites FILE every 50 steps (worker processes are killed, not exited, at shutdown)."""
+
+    def __init__(self, path: str):
+        import cProfile
+
+        self.path, self.steps = path, 0
+        self.prof = cProfile.Profile()
+        self.prof.enable()
+
+    @classmethod
+    def from_env(cls) -> _Profiler | None:
+        import os
+
+        path = os.environ.get("TREESPEC_PROFILE")
+        return cls(path) if path else None
+
+    def tick(self) -> None:
+        self.steps += 1
+        if self.steps % 50 == 0:
+            self.prof.disable()
+            self.prof.dump_stats(self.path)
+            self.prof.enable()
