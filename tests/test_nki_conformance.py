@@ -451,8 +451,52 @@ def test_old_api_arange_mgrid_par_dim():
         _ = nl.arange(4) < 2  # old-API masks
     with pytest.raises(NkiRuleError, match="not modelled"):
         nl.load(hbm(a), mask=object())
-    with pytest.raises(NkiRuleError, match="affine"):
-        _ = t[nl.arange(4) * 0, g_f]
+    with pytest.raises(NkiRuleError, match="not affine"):
+        _ = nl.arange(4) * nl.arange(4)
+    with pytest.raises(NkiRuleError, match="partition index"):
+        _ = t[g_f - 2, g_p]  # the partition index varying along the second grid axis
+
+
+@nki.jit
+def old_api_flat_transpose(x, rows: int, cols: int):
+    """Old-API style: every partition holds a row-major [rows, cols] matrix; write its
+    transpose with 3-d arange grids (free index ``f2 * rows + f1``)."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    o = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    i_p = nl.arange(x.shape[0])[:, None, None]
+    i_1 = nl.arange(rows)[None, :, None]
+    i_2 = nl.arange(cols)[None, None, :]
+    o[i_p, i_2 * rows + i_1] = nl.copy(t[i_p, i_1 * cols + i_2])
+    nl.store(out, value=o)
+    return out
+
+
+@nki.jit
+def old_api_block_accumulate(x):
+    """A ``(blocks, par_dim(P), F)`` SBUF tensor indexed per block, tile operators."""
+    blocks, p, f = x.shape
+    acc = nl.zeros((blocks, nl.par_dim(p), f), dtype=nl.float32)
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    for b in nl.affine_range(blocks):
+        t = nl.load(x[b])
+        acc[b, :, :] += t * 2.0 - 1.0
+        nl.store(out[b], value=acc[b])
+    return out
+
+
+def test_old_api_affine_grids_block_tensors_and_tile_operators():
+    x = rand(8, 12)
+    got = nki.simulate(old_api_flat_transpose)(x, 3, 4)
+    np.testing.assert_array_equal(got, x.reshape(8, 3, 4).transpose(0, 2, 1).reshape(8, 12))
+    y = rand(3, 16, 8)
+    np.testing.assert_allclose(nki.simulate(old_api_block_accumulate)(y), 2 * y - 1, rtol=1e-6)
+    block = nl.zeros((3, nl.par_dim(16), 8), nl.float32)
+    with pytest.raises(NkiRuleError, match="block dims"):
+        nl.exp(block)
+    assert block[1].shape == (16, 8) and block.shape == (3, 16, 8)
+    with pytest.raises(NkiRuleError, match="data-dependent"):
+        bool(sb(x) < 0.0)
 
 
 # -- tensors: access patterns, views, NKIObject ---------------------------------------
@@ -665,3 +709,38 @@ def test_mish_and_gelu_apprx_sigmoid():
     np.testing.assert_allclose(
         val(nl.gelu_apprx_sigmoid(sb(x))), x / (1 + np.exp(-1.702 * x)), rtol=1e-5, atol=1e-6
     )
+
+
+@nki.jit
+def old_api_psum_accumulate(a_t, b):
+    """Old style: ``psum[...] += nisa.nc_matmul(...)`` accumulates over K tiles, value-
+    returning keyword calls, a NumPy ufunc as the op, a 1-d HBM column loaded as [P, 1]."""
+    k_dim, m = a_t.shape
+    n = b.shape[1]
+    out = nl.ndarray((m, n), dtype=nl.float32, buffer=nl.shared_hbm)
+    acc = nl.ndarray((nl.par_dim(m), n), dtype=nl.float32, buffer=nl.psum)
+    for k in nl.affine_range(k_dim // 128):
+        acc[...] += nisa.nc_matmul(
+            stationary=nl.load(a_t[k * 128 : (k + 1) * 128, :]),
+            moving=nl.load(b[k * 128 : (k + 1) * 128, :]),
+        )
+    col = nl.load(b[0:m, 0])  # [m, 1]
+    res = nisa.tensor_scalar(data=acc, op0=np.add, operand0=col)
+    nl.store(out, value=res)
+    return out
+
+
+def test_old_api_psum_plus_equals_is_an_accumulation_group():
+    a, b = rand(256, 64), rand(256, 32)
+    got = nki.simulate(old_api_psum_accumulate)(a, b)
+    np.testing.assert_allclose(got, a.T @ b + b[:64, 0:1], rtol=1e-5, atol=1e-4)
+    x = np.linspace(-2, 2, 8, dtype=np.float32)
+    np.testing.assert_array_equal(nl.static_cast(x, nl.bfloat16), bf16(x))
+    const = nl.shared_constant(np.eye(4, dtype=np.int8), dtype=nl.float32)
+    assert const.buffer == "hbm" and const.dtype == nl.float32
+    with nl.no_reorder():
+        assert nl.affine_range(3, directives=None) == range(3)
+    with pytest.raises(NkiRuleError, match="one 2 KiB PSUM bank"):
+        nl.ndarray((4, nl.par_dim(128), 513), nl.float32, buffer=nl.psum)
+    blocks = nl.ndarray((64, nl.par_dim(128), 512), nl.float32, buffer=nl.psum)
+    assert blocks[3].shape == (128, 512)  # old-API blocks: one block accounted live

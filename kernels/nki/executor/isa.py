@@ -107,6 +107,8 @@ def _same_layout(call: str, a_name: str, a: Tile, b_name: str, b: Tile) -> None:
 
 
 def _np_op(call: str, op: Any):
+    if isinstance(op, np.ufunc):  # the old API also took NumPy ufuncs (np.add, ...)
+        op = getattr(nl, {"true_divide": "divide"}.get(op.__name__, op.__name__), op)
     fn = getattr(op, "_np", None)
     if fn is None:
         raise rule(call, f"unsupported op {op!r}; pass an nl function such as nl.add")
@@ -159,7 +161,15 @@ def _dst_first(is_legacy: Callable[[dict], bool], make_dst: Callable[[dict, Any]
     """
 
     def deco(fn):
-        names = list(inspect.signature(fn).parameters)
+        sig = inspect.signature(fn)
+        names = list(sig.parameters)
+
+        def binds(args, kw) -> bool:
+            try:
+                sig.bind(*args, **kw)
+            except TypeError:
+                return False
+            return True
 
         @functools.wraps(fn)
         def wrapper(*args, **kw):
@@ -167,7 +177,7 @@ def _dst_first(is_legacy: Callable[[dict], bool], make_dst: Callable[[dict, Any]
             if kw.pop("mask", None) is not None:
                 raise rule(fn.__name__, "mask= (old-API predicates) is not modelled; slice instead")
             new = dict(zip(names, args, strict=False)) | kw
-            if "dst" in kw or not is_legacy(new):
+            if "dst" in kw or (args and binds(args, kw) and not is_legacy(new)):
                 if dtype is not None and isinstance(new.get("dst"), Tile):
                     if T.as_dtype(dtype) != new["dst"].dtype:
                         raise rule(fn.__name__, f"dtype {dtype} != dst dtype {new['dst'].dtype}")
@@ -560,8 +570,8 @@ def _activation_legacy(new: dict) -> bool:
 
 
 def activation(
-    dst: Tile,
-    op,
+    dst: Tile | None = None,
+    op=None,
     data: Tile | None = None,
     bias=None,
     scale=1.0,
@@ -582,6 +592,8 @@ def activation(
     """
     if mask is not None:
         raise rule("activation", "mask= (old-API predicates) is not modelled; slice instead")
+    if dst is None:  # the old form with keywords: activation(op=, data=, ...)
+        dst, op, data = op, data, None
     if _activation_legacy({"dst": dst}):
         old_op, old_data = dst, op
         if data is not None:  # third positional of the old form is the bias
@@ -665,8 +677,8 @@ REDUCE_FNS = {
 
 
 def tensor_reduce(
-    dst: Tile,
-    op,
+    dst: Tile | None = None,
+    op=None,
     data: Tile | None = None,
     axis=None,
     negate: bool = False,
@@ -679,6 +691,8 @@ def tensor_reduce(
     the old form ``tensor_reduce(op, data, axis, ...)`` returns a new tile."""
     if mask is not None:
         raise rule("tensor_reduce", "mask= (old-API predicates) is not modelled")
+    if dst is None:  # the old form with keywords: tensor_reduce(op=, data=, axis=)
+        dst, op, data = op, data, None
     if callable(dst) and not isinstance(dst, Tile):  # old form: (op, data, axis)
         op, data, axis = dst, op, data if axis is None else axis
         T.check_onchip("tensor_reduce", "data", data)
@@ -832,6 +846,11 @@ def reciprocal(dst: Tile, data: Tile, name=None) -> None:
     _write_flat(dst, res, c)
 
 
+def _scan_legacy(new: dict) -> bool:
+    return callable(new.get("initial")) and not isinstance(new.get("initial"), Tile)
+
+
+@_dst_first(_scan_legacy, _like("data0", fp32_if=("data0", "data1")))
 def tensor_tensor_scan(
     dst: Tile,
     data0: Tile,
@@ -963,6 +982,7 @@ def _vec_accumulate(
         T.write(reduce_res, out.reshape(reduce_res.shape), call)
 
 
+@_dst_first(_ts_legacy, _like("data"))
 def tensor_scalar_reduce(
     dst: Tile,
     data: Tile,

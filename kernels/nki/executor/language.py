@@ -12,6 +12,7 @@ explicit).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -115,10 +116,14 @@ class IndexExpr:
     def __getitem__(self, key) -> IndexExpr:
         return IndexExpr(self.values[key])
 
-    def _num(self, other) -> int:
+    def _num(self, other):
         if isinstance(other, (int, np.integer)):
             return int(other)
-        raise rule("arange", f"index expressions combine only with integers, got {other!r}")
+        if isinstance(other, IndexExpr):
+            return other.values
+        raise rule(
+            "arange", f"index expressions combine with integers and each other, not {other!r}"
+        )
 
     def __add__(self, o):
         return IndexExpr(self.values + self._num(o))
@@ -132,6 +137,8 @@ class IndexExpr:
         return IndexExpr(self._num(o) - self.values)
 
     def __mul__(self, o):
+        if isinstance(o, IndexExpr):
+            raise rule("arange", "the product of two index expressions is not affine")
         return IndexExpr(self.values * self._num(o))
 
     __rmul__ = __mul__
@@ -174,10 +181,15 @@ class _MGrid:
 mgrid = _MGrid()
 
 
-def par_dim(size: int) -> int:
-    """Old API: ``nl.par_dim(p)`` marked the partition dim of a shape; the first dim is
-    always the partition dim, so it is just ``p``."""
-    return int(size)
+class ParDim(int):
+    """``nl.par_dim(p)``: an int that marks the partition dim of an old-API shape."""
+
+
+def par_dim(size: int) -> ParDim:
+    """Old API: marks the partition dim of a shape. First (the usual case) it is just
+    ``p``; after leading block dims (``(n, nl.par_dim(128), f)``) the tile is stored
+    partition-first and must be indexed on its block dims before compute."""
+    return ParDim(int(size))
 
 
 # -- allocation -----------------------------------------------------------------
@@ -237,6 +249,20 @@ def empty_like(x: Tile, dtype=None, buffer=None, name: str = "") -> Tile:
     return ndarray(x.shape, x.dtype if dtype is None else dtype, buffer or x.buffer, name)
 
 
+def shared_constant(constant, dtype=None) -> Tile:
+    """A compile-time constant (a NumPy array) as a read-only HBM tensor."""
+    arr = np.asarray(constant)
+    arr = arr.astype(T.as_dtype(dtype if dtype is not None else arr.dtype))
+    return Tile.wrap(np.ascontiguousarray(arr), hbm)
+
+
+def static_cast(x, dtype):
+    """Old API: a NumPy array cast to ``dtype`` (nearest-even), or a tile copied to it."""
+    if isinstance(x, Tile):
+        return copy(x, dtype=dtype)
+    return np.asarray(x).astype(np.float32).astype(T.as_dtype(dtype))
+
+
 def shared_identity_matrix(n: int, dtype=uint8, dst: Tile | None = None) -> Tile:
     """An ``[n, n]`` identity matrix in SBUF (``dst`` if given)."""
     out = Tile.allocate((n, n), dtype, sbuf, "shared_identity_matrix") if dst is None else dst
@@ -266,9 +292,12 @@ def _no_mask(call: str, mask) -> None:
 
 
 def load(src: Tile, dtype=None, mask=None) -> Tile:
-    """HBM -> a new SBUF tile of the same shape (optionally cast to ``dtype``)."""
+    """HBM -> a new SBUF tile of the same shape (optionally cast to ``dtype``); a 1-d
+    HBM view (``a[0:128, j]``) loads as a ``[n, 1]`` tile, as in the old API."""
     _no_mask("load", mask)
     _hbm("load", "src", src)
+    if src.ndim == 1:
+        src = src._view(src.array.reshape(src.shape[0], 1))
     out = Tile.allocate(src.shape, src.dtype if dtype is None else dtype, sbuf, "load")
     prof.dma(src.buffer, out.buffer, src.array.nbytes)
     if dtype is None or np.dtype(dtype) == src.dtype:
@@ -309,17 +338,17 @@ def store(dst: Tile, value, mask=None) -> None:
 # -- loops and the grid -----------------------------------------------------------
 
 
-def affine_range(*args) -> range:
+def affine_range(*args, **hints) -> range:
     """Loop with independent iterations (the executor runs them in order)."""
     return builtins.range(*args)
 
 
-def sequential_range(*args) -> range:
+def sequential_range(*args, **hints) -> range:
     """Loop with a carried dependency."""
     return builtins.range(*args)
 
 
-def static_range(*args) -> range:
+def static_range(*args, **hints) -> range:
     """Fully unrolled loop."""
     return builtins.range(*args)
 
@@ -337,6 +366,12 @@ def fori_loop(lower: int, upper: int, body_fun, step: int = 1):
 
 def while_loop(init, body_fun):
     raise rule("while_loop", "data-dependent loops are not modelled by the executor")
+
+
+@contextlib.contextmanager
+def no_reorder():
+    """A region the scheduler must not reorder; the executor runs everything in order."""
+    yield
 
 
 def program_id(axis: int = 0) -> int:

@@ -198,13 +198,14 @@ class _Storage:
     """One allocation; frees its on-chip bytes when the last view goes away. PSUM
     storages carry one accumulation-state byte per data byte."""
 
-    def __init__(self, array: np.ndarray, buffer: Buffer, call: str):
+    def __init__(self, array: np.ndarray, buffer: Buffer, call: str, nbytes: int | None = None):
         self.array = array
         self.buffer = buffer
         self.acc = np.zeros(array.nbytes, np.uint8) if buffer == "psum" else None
         if buffer.on_chip:
             context = ctx()
-            nbytes = partition_bytes(array.shape, array.dtype)
+            if nbytes is None:
+                nbytes = partition_bytes(array.shape, array.dtype)
             limit = context.sbuf_limit if buffer == "sbuf" else PSUM_PARTITION_BYTES
             if context.used[buffer] + nbytes > limit:
                 raise rule(
@@ -232,24 +233,29 @@ class Tile:
     ``slice`` and ``select``.
     """
 
-    __slots__ = ("_storage", "array", "buffer", "name", "__weakref__")
+    __slots__ = ("_storage", "array", "buffer", "name", "pdim", "__weakref__")
 
-    def __init__(self, storage: _Storage, array: np.ndarray, name: str = ""):
+    def __init__(self, storage: _Storage, array: np.ndarray, name: str = "", pdim: int = 0):
         self._storage = storage
         self.array = array
         self.buffer = storage.buffer
         self.name = name
+        self.pdim = pdim  # the partition axis: 0, except old-API block tensors
 
     # -- construction -------------------------------------------------------
     @classmethod
     def allocate(
         cls, shape, dtype, buffer: Buffer, call: str = "ndarray", fill: Any = None, name: str = ""
     ) -> Tile:
-        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        shape_in = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        marked = [i for i, s in enumerate(shape_in) if type(s).__name__ == "ParDim"]
+        shape = tuple(int(s) for s in shape_in)
         dtype = as_dtype(dtype)
         buffer = BUFFERS.get(buffer, buffer)
         if buffer not in BUFFERS:
             raise rule(call, f"unknown buffer {buffer!r}")
+        if marked and marked[0] > 0 and BUFFERS[buffer].on_chip:
+            return cls._allocate_blocks(shape, marked[0], dtype, BUFFERS[buffer], call, fill, name)
         if any(s <= 0 for s in shape):
             raise rule(call, f"shape {shape} has an empty or negative dimension")
         if buffer.on_chip:
@@ -264,6 +270,26 @@ class Tile:
         array = np.empty(shape, dtype)
         _fill(array, fill)
         return cls(_Storage(array, buffer, call), array, name)
+
+    @classmethod
+    def _allocate_blocks(cls, shape, k: int, dtype, buffer: Buffer, call, fill, name) -> Tile:
+        """Old API: block dims before ``nl.par_dim(p)`` (``(n, par_dim(128), f)``). The
+        old compiler allocated (and rotated) such blocks itself, so one block is what
+        counts: it must fit (2 KiB per partition in PSUM) and is what is accounted
+        live. Stored partition-first, the tile's ``pdim`` is ``k``."""
+        block = (shape[k],) + shape[k + 1 :]
+        check_onchip_shape(call, "block", block if len(block) > 1 else block + (1,))
+        if buffer == "psum" and partition_bytes(block, dtype) > PSUM_TILE_BYTES:
+            raise rule(
+                call,
+                f"PSUM block {block} {dtype_name(dtype)} holds {partition_bytes(block, dtype)} "
+                f"B per partition > {PSUM_TILE_BYTES} B (one 2 KiB PSUM bank)",
+            )
+        array = np.empty((shape[k],) + shape[:k] + shape[k + 1 :], dtype)
+        _fill(array, fill)
+        storage = _Storage(array, buffer, call, nbytes=partition_bytes(block, dtype))
+        order = list(range(1, k + 1)) + [0] + list(range(k + 1, len(shape)))
+        return cls(storage, array.transpose(order), name, pdim=k)
 
     @classmethod
     def wrap(cls, array: np.ndarray, buffer: Buffer = hbm) -> Tile:
@@ -299,8 +325,8 @@ class Tile:
     def __repr__(self) -> str:
         return f"Tile(shape={self.shape}, dtype={dtype_name(self.dtype)}, buffer={self.buffer})"
 
-    def _view(self, array: np.ndarray) -> Tile:
-        return Tile(self._storage, array, self.name)
+    def _view(self, array: np.ndarray, pdim: int = 0) -> Tile:
+        return Tile(self._storage, array, self.name, pdim)
 
     # -- data-dependent control flow cannot compile ---------------------------
     def _no_value(self, what: str):
@@ -368,24 +394,166 @@ class Tile:
                 if not 0 <= i < size:
                     raise rule("index", f"axis {axis}: index {int(k)} outside [0, {size})")
                 # on chip an integer on the partition axis keeps a size-1 partition dim
-                out.append(slice(i, i + 1) if axis == 0 and self.buffer.on_chip else i)
+                on_p = axis == self.pdim and self.buffer.on_chip
+                out.append(slice(i, i + 1) if on_p else i)
         return tuple(out)
 
     def __getitem__(self, key) -> Tile:
-        view = self.array[self._key(key)]
+        keys = key if isinstance(key, tuple) else (key,)
+        if any(hasattr(k, "values") and hasattr(k, "as_slice") for k in keys):
+            return self._affine_view(keys)
+        norm = self._key(key)
+        view = self.array[norm]
+        pdim = self.pdim - sum(isinstance(k, int) for k in norm[: self.pdim])
         if self.buffer.on_chip and view.ndim < 2:
             view = view.reshape(view.shape[0], 1)  # on-chip views are at least 2-d
+        return self._view(view, pdim)
+
+    def _affine_view(self, keys: tuple) -> Tile:
+        """Old-API indexing with ``nl.arange`` / ``nl.mgrid`` expressions: the element
+        address must be affine in the index grid; the result is that strided view,
+        shaped like the broadcast grid (ints select, slices are not mixed in)."""
+        if len(keys) != self.ndim:
+            raise rule("index", f"{len(keys)} indices for a {self.ndim}-d tensor {self.shape}")
+        exprs = []
+        for axis, k in enumerate(keys):
+            if isinstance(k, (int, np.integer)):
+                exprs.append(np.array(int(k) + (self.shape[axis] if k < 0 else 0)))
+            elif hasattr(k, "values"):
+                exprs.append(k.values)
+            else:
+                raise rule("index", f"axis {axis}: mix arange index expressions with ints only")
+        try:
+            grid = np.broadcast_shapes(*(e.shape for e in exprs))
+        except ValueError as exc:
+            raise rule("index", f"index expressions do not broadcast: {exc}") from exc
+        vals = [np.broadcast_to(e, grid) for e in exprs]
+        for axis, v in enumerate(vals):
+            if v.size and (v.min() < 0 or v.max() >= self.shape[axis]):
+                raise rule(
+                    "index",
+                    f"axis {axis}: index expression reaches [{v.min()}, {v.max()}] outside "
+                    f"[0, {self.shape[axis]}) of tensor {self.shape}",
+                )
+        strides = self.strides
+        addr = sum(v.astype(np.int64) * s for v, s in zip(vals, strides, strict=True))
+        addr = np.broadcast_to(np.asarray(addr, np.int64), grid)
+        base = int(addr.reshape(-1)[0]) if addr.size else 0
+        coef = []
+        for g, n in enumerate(grid):
+            unit = [0] * len(grid)
+            if n > 1:
+                unit[g] = 1
+                coef.append(int(addr[tuple(unit)]) - base)
+            else:
+                coef.append(0)
+        idx = np.indices(grid).reshape(len(grid), -1) if grid else np.zeros((0, 1), np.int64)
+        want = base + (np.asarray(coef, np.int64)[:, None] * idx).sum(axis=0)
+        if not np.array_equal(addr.reshape(-1), want):
+            raise rule("index", "index expressions are not affine in the index grid")
+        if self.buffer.on_chip:
+            pv = vals[self.pdim]
+            p_only_first = len(grid) >= 2 and all(
+                np.all(pv == pv.take([0], axis=g)) for g in range(1, len(grid))
+            )
+            free_not_first = all(
+                np.all(v == v.take([0], axis=0)) for a, v in enumerate(vals) if a != self.pdim
+            )
+            if not (p_only_first and free_not_first):
+                raise rule(
+                    "index",
+                    "on chip the partition index must vary along the first grid axis only",
+                )
+        item = self.array.itemsize
+        view = np.lib.stride_tricks.as_strided(
+            _offset(self.array, base), shape=grid, strides=[c * item for c in coef]
+        )
         return self._view(view)
 
     def __setitem__(self, key, value) -> None:
         dst = self[key]
         if not dst.buffer.on_chip:
             raise rule("setitem", "assign into HBM with nl.store / nisa.dma_copy")
+        if (
+            isinstance(value, Tile)
+            and _addr(value.array) == _addr(dst.array)
+            and value.array.strides == dst.array.strides
+            and value.shape == dst.shape
+        ):
+            return  # ``t[k] += v`` writes the updated view back onto itself
         if isinstance(value, Tile):
             check_onchip("setitem", "value", value)
             write(dst, read(value), "setitem")
         else:
             write(dst, np.full(dst.shape, float(value), np.float32), "setitem")
+
+    # -- the old API's operators: ``a + b`` etc. are nl.add etc. ------------------------
+    def _op(self, name: str, other, reverse: bool = False):
+        from kernels.nki.executor import language as nl
+
+        fn = getattr(nl, name)
+        return fn(other, self) if reverse else fn(self, other)
+
+    def __add__(self, o):
+        return self._op("add", o)
+
+    def __radd__(self, o):
+        return self._op("add", o, True)
+
+    def __sub__(self, o):
+        return self._op("subtract", o)
+
+    def __rsub__(self, o):
+        return self._op("subtract", o, True)
+
+    def __mul__(self, o):
+        return self._op("multiply", o)
+
+    def __rmul__(self, o):
+        return self._op("multiply", o, True)
+
+    def __truediv__(self, o):
+        return self._op("divide", o)
+
+    def __rtruediv__(self, o):
+        return self._op("divide", o, True)
+
+    def __iadd__(self, o):
+        """Old API ``psum[...] += nisa.nc_matmul(...)``: on a PSUM tile the first write to a
+        location overwrites and later ones accumulate (a matmul accumulation group);
+        elsewhere ``nl.add`` written back in place."""
+        if self.buffer != "psum" or not isinstance(o, Tile):
+            res = self._op("add", o)
+            write(self, read(res), "iadd")
+            return self
+        check_onchip("iadd", "value", o)
+        fresh = acc_state(self) == PSUM_FRESH
+        old = np.where(fresh, np.float32(0.0), read(self))
+        write(self, old + read(o).reshape(self.shape), "iadd", PSUM_MATMUL)
+        return self
+
+    def broadcast_to(self, shape) -> Tile:
+        """Old API: ``t.broadcast_to(shape)`` is ``nl.broadcast_to(t, shape)``."""
+        from kernels.nki.executor import language as nl
+
+        return nl.broadcast_to(self, shape)
+
+    def __neg__(self):
+        from kernels.nki.executor import language as nl
+
+        return nl.negative(self)
+
+    def __lt__(self, o):
+        return self._op("less", o)
+
+    def __le__(self, o):
+        return self._op("less_equal", o)
+
+    def __gt__(self, o):
+        return self._op("greater", o)
+
+    def __ge__(self, o):
+        return self._op("greater_equal", o)
 
     def _check_partition_kept(self, call: str, shape: tuple[int, ...]) -> None:
         if self.buffer.on_chip:
@@ -598,9 +766,20 @@ def check_onchip_shape(call: str, name: str, shape: tuple[int, ...]) -> None:
         )
 
 
+def _offset(a: np.ndarray, elements: int) -> np.ndarray:
+    """A 1-element view ``elements`` items past ``a``'s first element."""
+    line = np.lib.stride_tricks.as_strided(a, shape=(elements + 1,), strides=(a.itemsize,))
+    return line[elements:]
+
+
 def check_onchip(call: str, name: str, t: Any) -> Tile:
     if not isinstance(t, Tile):
         raise rule(call, f"{name} must be a tile, got {type(t).__name__}")
+    if t.pdim != 0:
+        raise rule(
+            call,
+            f"{name} {t!r} has block dims before its partition dim; index them first",
+        )
     if not t.buffer.on_chip:
         raise rule(
             call,
