@@ -275,9 +275,11 @@ def test_vllm_eagle_chain_accepts_what_the_local_engine_accepts(vllm_eagle, mode
         "num_accepted_tokens": sum(r.accepted_drafts for r in stats),
         "per_pos": [sum(r.depth_accepted[d] for r in stats) for d in range(K)],
     }
-    assert v["num_drafts"] == local["num_drafts"]
-    assert v["num_draft_tokens"] == K * local["num_drafts"]
-    assert v["num_accepted_tokens"] == local["num_accepted_tokens"] > local["num_drafts"]
+    # Step counts may differ by one at the end of a request (how each engine reaches
+    # max_tokens: seen once in 20 requests of 96 tokens); what is accepted may not.
+    assert 0 <= local["num_drafts"] - v["num_drafts"] <= len(prompts)
+    assert v["num_draft_tokens"] == K * v["num_drafts"]
+    assert v["num_accepted_tokens"] == local["num_accepted_tokens"] > v["num_drafts"]
     assert v["num_accepted_tokens_per_pos"] == local["per_pos"]
 
 
