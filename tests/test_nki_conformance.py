@@ -551,6 +551,24 @@ def configured_scale(x, cfg: TileConfig):
     return out
 
 
+@dataclass
+class Plain(nl.NKIObject):
+    offset = None  # an unannotated class attribute is a field, as NKI allows
+    count: int = 0
+
+
+def test_nkiobject_plain_attributes_are_fields_and_placed_allocation():
+    p = Plain(offset=3, count=2)
+    assert (p.offset, p.count) == (3, 2) and Plain().offset is None
+    t = nl.ndarray((32, 64), nl.float32, buffer=nl.sbuf, address=(96, 1024))
+    assert t.shape == (32, 64) and T.ctx().used["sbuf"] == 0  # placed by hand: not live
+    with pytest.raises(NkiRuleError, match="partitions > 128"):
+        nl.ndarray((64, 64), nl.float32, buffer=nl.sbuf, address=(96, 0))
+    with pytest.raises(NkiRuleError, match="exceeds the"):
+        nl.ndarray((8, 512), nl.float32, buffer=nl.psum, address=(0, 15 * 1024))
+    assert nl.num_programs(axes=0) == 1 and nl.num_programs(None) == (1,)
+
+
 def test_nkiobject_config_and_simulate_formats():
     x = rand(64, 8)
     got = nki.simulate(configured_scale)(x, TileConfig(scale=3.0))

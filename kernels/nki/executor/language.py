@@ -56,11 +56,24 @@ DynamicSlice = DynSlice
 
 class NKIObject:
     """Base class of NKI kernel dataclasses and configuration objects (keyword
-    arguments become attributes)."""
+    arguments become attributes). As in NKI, a ``@dataclass`` subclass may declare its
+    fields as plain class attributes (``section_idx = None``): they become fields with
+    that default."""
 
     def __init__(self, **kwargs: Any) -> None:
         for k, v in kwargs.items():
             setattr(self, k, v)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ann = dict(cls.__dict__.get("__annotations__", {}))
+        for k, v in list(cls.__dict__.items()):
+            if k.startswith("_") or k in ann or callable(v):
+                continue
+            if isinstance(v, (property, classmethod, staticmethod)):
+                continue
+            ann[k] = Any
+        cls.__annotations__ = ann
 
 
 tile_size = SimpleNamespace(
@@ -195,13 +208,18 @@ def par_dim(size: int) -> ParDim:
 # -- allocation -----------------------------------------------------------------
 
 
-def ndarray(shape, dtype, buffer=sbuf, name: str = "") -> Tile:
+def ndarray(shape, dtype, buffer=sbuf, name: str = "", address=None) -> Tile:
     """A new tensor; on-chip and HBM memory starts as NaN (floats) / dtype max (ints).
 
     ``buffer=nl.shared_hbm`` outputs are shared by all programs of a grid launch
-    (the i-th such allocation of every program is the same tensor).
+    (the i-th such allocation of every program is the same tensor). ``address=
+    (partition_offset, byte_offset)`` places an on-chip tensor by hand: it must fit
+    inside the partitions and the per-partition capacity, and is not counted live (the
+    kernel manages its placement); tensors placed on the same bytes do not alias here.
     """
     buffer = sbuf if buffer is None else buffer
+    if address is not None:
+        return _placed(shape, dtype, buffer, name, address)
     if buffer == "shared_hbm":
         c = T.ctx()
         shape_t = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
@@ -219,6 +237,24 @@ def ndarray(shape, dtype, buffer=sbuf, name: str = "") -> Tile:
         c.shared_pos += 1
         return t
     return Tile.allocate(shape, dtype, buffer, "ndarray", name=name)
+
+
+def _placed(shape, dtype, buffer, name: str, address) -> Tile:
+    if str(buffer) not in ("sbuf", "psum"):
+        raise rule("ndarray", f"address= places SBUF/PSUM tensors, not {buffer}")
+    p0, off = (int(a) for a in address)
+    t = Tile.allocate(shape, dtype, buffer, "ndarray", name=name, account=False)
+    limit = T.ctx().sbuf_limit if str(buffer) == "sbuf" else T.PSUM_PARTITION_BYTES
+    nbytes = T.partition_bytes(t._storage.array.shape, t.dtype)
+    if p0 < 0 or p0 + t._storage.array.shape[0] > T.PMAX:
+        raise rule("ndarray", f"address partition {p0} + {t.shape[0]} partitions > {T.PMAX}")
+    if off < 0 or off + nbytes > limit:
+        raise rule(
+            "ndarray",
+            f"address byte offset {off} + {nbytes} B exceeds the {limit} B per partition of "
+            f"{buffer}",
+        )
+    return t
 
 
 def _filled(call: str, shape, dtype, buffer, fill, name: str) -> Tile:
@@ -381,8 +417,11 @@ def program_id(axis: int = 0) -> int:
     return c.program[axis]
 
 
-def num_programs(axis: int | None = None) -> int | tuple[int, ...]:
+def num_programs(axes: int | None = 0, axis: int | None = None) -> int | tuple[int, ...]:
+    """Programs along grid axis ``axes`` (NKI 0.6 spelling; ``axis=`` too); ``None``: the
+    whole grid as a tuple."""
     c = T.ctx()
+    axis = axes if axis is None else axis
     if axis is None:
         return c.grid
     if not 0 <= axis < len(c.grid):

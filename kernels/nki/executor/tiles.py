@@ -245,7 +245,14 @@ class Tile:
     # -- construction -------------------------------------------------------
     @classmethod
     def allocate(
-        cls, shape, dtype, buffer: Buffer, call: str = "ndarray", fill: Any = None, name: str = ""
+        cls,
+        shape,
+        dtype,
+        buffer: Buffer,
+        call: str = "ndarray",
+        fill: Any = None,
+        name: str = "",
+        account: bool = True,
     ) -> Tile:
         shape_in = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
         marked = [i for i, s in enumerate(shape_in) if type(s).__name__ == "ParDim"]
@@ -269,7 +276,7 @@ class Tile:
                 )
         array = np.empty(shape, dtype)
         _fill(array, fill)
-        return cls(_Storage(array, buffer, call), array, name)
+        return cls(_Storage(array, buffer, call, None if account else 0), array, name)
 
     @classmethod
     def _allocate_blocks(cls, shape, k: int, dtype, buffer: Buffer, call, fill, name) -> Tile:
