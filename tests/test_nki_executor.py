@@ -115,6 +115,11 @@ BINARY = {
     "divide": np.divide,
     "equal": lambda a, b: (a == b).astype(np.float32),
     "greater_equal": lambda a, b: (a >= b).astype(np.float32),
+    "abs_max": lambda a, b: np.where(np.abs(a) > np.abs(b), a, b),
+    "abs_min": lambda a, b: np.where(np.abs(a) < np.abs(b), a, b),
+    "logical_and": lambda a, b: ((a != 0) & (b != 0)).astype(np.float32),
+    "logical_xor": lambda a, b: ((a != 0) ^ (b != 0)).astype(np.float32),
+    "fmod": np.fmod,
 }
 
 
@@ -131,11 +136,91 @@ def test_binary_ops_match_numpy_with_scalar_and_column_broadcast(name):
 
 @pytest.mark.parametrize(
     "name,ref",
-    [("exp", np.exp), ("log", np.log), ("reciprocal", np.reciprocal)],
+    [
+        ("exp", np.exp),
+        ("log", np.log),
+        ("reciprocal", np.reciprocal),
+        ("sqrt", np.sqrt),
+        ("tanh", np.tanh),
+        ("sin", np.sin),
+        ("cos", np.cos),
+        ("arctan", np.arctan),
+        ("softplus", lambda a: np.log1p(np.exp(a))),
+        ("sigmoid", lambda a: 1 / (1 + np.exp(-a))),
+        ("ceil", np.ceil),
+        ("floor", np.floor),
+        ("sign", np.sign),
+    ],
 )
 def test_unary_ops_match_numpy(name, ref):
     a = np.abs(rand(8, 64)) + 0.1
-    np.testing.assert_allclose(val(getattr(nl, name)(sb(a))), ref(a), rtol=1e-6)
+    a[:, ::2] *= -1 if name not in ("log", "sqrt") else 1
+    np.testing.assert_allclose(val(getattr(nl, name)(sb(a))), ref(a), rtol=1e-5, atol=1e-6)
+
+
+def test_relu_gelu_power_and_bitvec_ops():
+    a = rand(8, 32)
+    np.testing.assert_array_equal(val(nl.relu(sb(a))), np.maximum(a, 0))
+    erf = np.vectorize(__import__("math").erf)
+    np.testing.assert_allclose(
+        val(nl.gelu(sb(a))), 0.5 * a * (1 + erf(a / np.sqrt(2))), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(val(nl.power(sb(np.abs(a)), 1.5)), np.abs(a) ** 1.5, rtol=1e-5)
+    x = RNG.integers(0, 1 << 20, (4, 16)).astype(np.int32)
+    y = RNG.integers(0, 1 << 20, (4, 16)).astype(np.int32)
+    assert np.array_equal(nl.bitwise_and(sb(x), sb(y)).array, x & y)
+    assert np.array_equal(nl.bitwise_xor(sb(x), sb(y)).array, x ^ y)
+    assert np.array_equal(nl.left_shift(sb(x), 3).array, x << 3)
+    assert np.array_equal(nl.right_shift(sb(x), 2).array, x >> 2)
+    assert np.array_equal(nl.invert(sb(x)).array, ~x)
+    with pytest.raises(NkiRuleError, match="needs an integer dtype"):
+        nl.bitwise_or(sb(a), sb(a))
+    t = nl.ndarray((4, 16), nl.int32)
+    nisa.tensor_tensor(t, sb(x), sb(y), nl.bitwise_or)  # bit patterns, not fp32 math
+    assert np.array_equal(t.array, x | y)
+
+
+def test_allocation_helpers_loops_and_transposing_load():
+    assert (val(nl.ones((4, 8), nl.bfloat16)) == 1).all()
+    z = nl.zeros_like(nl.ndarray((4, 8), nl.float16))
+    assert z.dtype == nl.float16 and (val(z) == 0).all()
+    assert np.array_equal(val(nl.shared_identity_matrix(16, dtype=nl.float32)), np.eye(16))
+    seen = []
+    nl.fori_loop(2, 11, seen.append, step=3)
+    assert seen == [2, 5, 8]
+    a = rand(64, 16)
+    np.testing.assert_array_equal(val(nl.load_transpose2d(hbm(a))), a.T)
+    np.testing.assert_allclose(val(nl.mean(sb(a), axis=1)), a.mean(1, keepdims=True), rtol=1e-5)
+    np.testing.assert_allclose(val(nl.var(sb(a), axis=1)), a.var(1, keepdims=True), rtol=1e-4)
+    out = hbm(np.ones((64, 16), np.float32))
+    nisa.dma_copy(out, sb(a), dst_rmw_op=nl.add)  # DMA read-modify-write
+    np.testing.assert_allclose(out.array, a + 1, rtol=1e-6)
+
+
+def test_tensor_engine_tiling_transpose_mode_and_vector_transpose():
+    a, b = rand(32, 16), rand(32, 64)
+    acc = nl.ndarray((16, 64), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(acc, sb(a), sb(b), tile_position=(32, 0), tile_size=(32, 32))
+    np.testing.assert_allclose(val(acc), a.T @ b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(NkiRuleError, match="contraction dim 64 > 32"):
+        nisa.nc_matmul(
+            acc, sb(rand(64, 16)), sb(rand(64, 64)), tile_position=(0, 0), tile_size=(32, 32)
+        )
+    with pytest.raises(NkiRuleError, match="does not fit tile_size"):
+        nisa.nc_matmul(acc, sb(a), sb(b), tile_position=(16, 0), tile_size=(32, 32))
+    x = rand(16, 16).astype(ml_dtypes.bfloat16)
+    x[0, 0] = np.nan  # transpose mode is bit accurate, NaN included
+    t = nl.ndarray((16, 16), nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(t, sb(x), sb(np.eye(16, dtype=np.float32), nl.bfloat16), is_transpose=True)
+    np.testing.assert_array_equal(t.array.view(np.uint16), x.T.view(np.uint16))
+    v = nl.ndarray((16, 8), nl.float32)
+    nisa.nc_transpose(v, sb(rand(8, 16)), engine=nisa.engine.vector)
+    with pytest.raises(NkiRuleError, match="<= 32"):
+        nisa.nc_transpose(
+            nl.ndarray((64, 8), nl.float32), sb(rand(8, 64)), engine=nisa.engine.vector
+        )
+    with pytest.raises(NkiRuleError, match="cannot access PSUM"):
+        nisa.tensor_copy(nl.ndarray((4, 4), nl.float32), acc[0:4, 0:4], engine=nisa.engine.gpsimd)
 
 
 def test_where_selects_by_nonzero_condition():
