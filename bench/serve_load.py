@@ -45,7 +45,7 @@ from bench.io import atomic_write_bytes, save_figure
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 LEVEL_TIMEOUT_S = 600  # no level runs longer than this
-START_TIMEOUT_S = 300
+START_TIMEOUT_S = 900  # a compiled vLLM server with a draft model takes minutes on 2 busy cores
 
 
 # --------------------------------------------------------------------------- prompts
