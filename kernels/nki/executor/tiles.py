@@ -495,6 +495,8 @@ class Tile:
             write(dst, np.full(dst.shape, float(value), np.float32), "setitem")
 
     # -- the old API's operators: ``a + b`` etc. are nl.add etc. ------------------------
+    __array_ufunc__ = None  # NumPy scalars on the left defer to the reflected operators
+
     def _op(self, name: str, other, reverse: bool = False):
         from kernels.nki.executor import language as nl
 
