@@ -10,9 +10,6 @@ from __future__ import annotations
 
 def register() -> None:
     """vLLM plugin entry point: install the tree hooks (idempotent, inert without config)."""
-    from tree_dev.vllm_plugin.eagle_model import register_eagle_model
-
-    register_eagle_model()  # the exported EAGLE head's architecture (export-eagle-vllm)
     from tree_dev.vllm_plugin import hooks
     from tree_dev.vllm_plugin.eagle_model import register_eagle_model
 
