@@ -1,5 +1,5 @@
 """bench.nki_executor on its smallest case: tree attention's counts beside the
-dense-masked alternative, and the walk's equality with the reference."""
+dense-masked alternative, and the walk's equality with the torch backend."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ def test_tree_attention_moves_less_and_estimates_faster_than_dense_masked():
     assert row["max_abs_err_vs_torch"] < 2e-2 and row["dense_max_abs_err_vs_torch"] < 2e-2
 
 
-def test_walk_rows_equal_reference_and_count_engines():
+def test_walk_rows_equal_torch_backend_and_count_engines():
     rows = bench.walk_rows(2, 16, 64)
     assert [r["kernel"] for r in rows] == ["tree_walk_greedy", "tree_walk_target_only"]
     for r in rows:
-        assert r["equal_to_reference"]
+        assert r["equal_to_torch_backend"]
         assert r["profile"]["instructions"]["tensor"] > 0 and r["profile"]["launches"] == 1
