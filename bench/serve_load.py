@@ -343,7 +343,9 @@ def plot(report: dict, path: Path) -> None:
             xs = [i + k * width for i in range(len(levels))]
             by_c = {lv["concurrency"]: lv for lv in run["levels"]}
             vals = [by_c.get(c, {}).get(key) or 0 for c in levels]
-            bars = ax.bar(xs, vals, width, label=run["name"])
+            label = run["name"].partition("=")[0]
+            label += f" [{run.get('tree')}]" if label == "vllm-tree" else ""
+            bars = ax.bar(xs, vals, width, label=label)
             if key99:
                 tops = [by_c.get(c, {}).get(key99) or 0 for c in levels]
                 ax.scatter(xs, tops, marker="_", s=200, color=bars.patches[0].get_facecolor())
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"argument --servers: unknown server {n!r}; known: {', '.join(SERVERS)}")
     if a.vllm_tree and "vllm-tree" in names:  # one run per policy, in place of the default
         i = names.index("vllm-tree")
-        names[i : i + 1] = [f"vllm-tree={t}" for t in a.vllm_tree]
+        names[i : i + 1] = [f"vllm-tree={t}" if t else "vllm-tree" for t in a.vllm_tree]
     from tree_dev.server.config import DEFAULT_MODEL_SET
 
     model_set = a.model or DEFAULT_MODEL_SET
