@@ -497,6 +497,7 @@ def test_old_api_affine_grids_block_tensors_and_tile_operators():
     assert block[1].shape == (16, 8) and block.shape == (3, 16, 8)
     with pytest.raises(NkiRuleError, match="data-dependent"):
         bool(sb(x) < 0.0)
+    assert nl.spmd_dim(4, nl.nc(2)) == 8  # 4 programs on each of 2 cores
     left = np.float32(3.0) * sb(x)  # a NumPy scalar on the left defers to the tile
     assert isinstance(left, T.Tile)
     np.testing.assert_allclose(val(left), 3 * x, rtol=1e-6)

@@ -194,6 +194,20 @@ class _MGrid:
 mgrid = _MGrid()
 
 
+def nc(n: int) -> int:
+    """Old API: ``nl.nc(k)``, k NeuronCores for an SPMD grid dim (see :func:`spmd_dim`)."""
+    return int(n)
+
+
+def spmd_dim(size: int, *cores) -> int:
+    """Old API: ``kernel[nl.spmd_dim(n, nl.nc(k)), m]`` runs ``n`` programs on each of
+    ``k`` cores along that grid dim: ``n * k`` programs, run in order here."""
+    total = int(size)
+    for c in cores:
+        total *= int(c)
+    return total
+
+
 class ParDim(int):
     """``nl.par_dim(p)``: an int that marks the partition dim of an old-API shape."""
 
