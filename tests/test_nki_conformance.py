@@ -766,3 +766,18 @@ def test_old_api_psum_plus_equals_is_an_accumulation_group():
         nl.ndarray((4, nl.par_dim(128), 513), nl.float32, buffer=nl.psum)
     blocks = nl.ndarray((64, nl.par_dim(128), 512), nl.float32, buffer=nl.psum)
     assert blocks[3].shape == (128, 512)  # old-API blocks: one block accounted live
+
+
+def test_nc_match_replace8_pairs_duplicate_vals_in_reverse_as_documented():
+    """The reference's own example: data [1, 2, 3, 4, 8 x 7], vals [3, 8 x 7]."""
+    data = np.array([[1, 2, 3, 4] + [8] * 7], np.float32)
+    vals = np.array([[3] + [8] * 7], np.float32)
+    out = nl.ndarray((1, 11), nl.float32)
+    idx = nl.ndarray((1, 8), nl.uint32)
+    nisa.nc_match_replace8(out, sb(data), sb(vals), imm=-1.0, dst_idx=idx)
+    assert idx.array[0].tolist() == [2, 10, 9, 8, 7, 6, 5, 4]
+    assert val(out)[0].tolist() == [1, 2, -1, 4] + [-1] * 7
+    # nc_find_index8 pairs the same duplicates in ascending order
+    fidx = nl.ndarray((1, 8), nl.uint32)
+    nisa.nc_find_index8(fidx, sb(data), sb(vals))
+    assert fidx.array[0].tolist() == [2, 4, 5, 6, 7, 8, 9, 10]

@@ -1338,6 +1338,39 @@ def max8(dst: Tile, src: Tile, name=None) -> None:
     T.write(dst, top, "max8")
 
 
+def nc_match_replace8(
+    dst: Tile, data: Tile, vals: Tile, imm: float, dst_idx: Tile | None = None, name=None
+) -> None:
+    """``dst`` = ``data`` with the first occurrence of each of the 8 ``vals`` replaced by
+    ``imm`` (Vector Engine), vals taken in reverse order (7..0) so duplicate vals pair
+    with successive occurrences, the first one in the highest slot; ``dst_idx``
+    (``[P, 8]``, uint16/uint32) gets the matched positions (all-ones when unmatched)."""
+    c = "nc_match_replace8"
+    for n, t in (("data", data), ("vals", vals), ("dst", dst)):
+        T.check_onchip(c, n, t)
+    _check8(c, "data", data)
+    _same_layout(c, "dst", dst, "data", data)
+    if _elems(vals) != 8 or vals.shape[0] != data.shape[0]:
+        raise rule(c, f"vals must hold 8 values per partition of data, got {vals.shape}")
+    if dst_idx is not None:
+        T.check_onchip(c, "dst_idx", dst_idx)
+        if dst_idx.shape != (data.shape[0], 8) or dst_idx.dtype not in (T.uint16, T.uint32):
+            raise rule(c, f"dst_idx must be [{data.shape[0]}, 8] uint16/uint32")
+    x, v = _flat(data, c).copy(), _flat(vals, c)
+    idx = np.full(v.shape, -1, np.int64)
+    for p in range(x.shape[0]):
+        for j in range(7, -1, -1):
+            hits = np.flatnonzero(x[p] == v[p, j])
+            if hits.size:
+                idx[p, j] = hits[0]
+                x[p, hits[0]] = np.float32(imm)
+    prof.vector(data.shape, 1, (data.dtype, dst.dtype))
+    _write_flat(dst, x, c)
+    if dst_idx is not None:
+        ones = np.iinfo(dst_idx.dtype).max
+        T.assign(dst_idx, np.where(idx < 0, ones, idx).astype(dst_idx.dtype))
+
+
 def nc_find_index8(dst: Tile, data: Tile, vals: Tile, name=None) -> None:
     """``dst[P, 8]`` (uint16/uint32): index of the first occurrence of each of the 8
     ``vals`` in each partition of ``data`` (repeated vals take successive
