@@ -27,22 +27,21 @@ from tqdm import tqdm
 from accuracy import ModelCapture
 from accuracy.plots import save_figure
 from accuracy.tensor_io import atomic_write_json
+from bench.common import tiny_llama
 
 
 def build_model(layers: int = 6):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=6144,
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=1024,
+    return tiny_llama(
+        0,
+        vocab=6144,
+        hidden=512,
+        intermediate=1376,
+        layers=layers,
+        heads=8,
+        kv_heads=8,
+        max_positions=1024,
+        eos_token_id=2,
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def run(reps: int, seq: int) -> dict:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -47,18 +46,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kernels
+from bench.common import random_tree
 from bench.io import atomic_write_bytes, save_figure
 from bench.timing import graph_or_eager
-from tree_dev.tree import TokenTree, TreeBatch
+from tree_dev.tree import TreeBatch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PAGE = 16
-
-
-def random_tree(n: int, seed: int) -> TokenTree:
-    """A random bushy tree of ``n`` nodes (each parent uniform among earlier nodes)."""
-    rng = random.Random(seed)
-    return TokenTree.from_parents([-1] + [rng.randrange(i) for i in range(1, n)])
 
 
 def make_case(

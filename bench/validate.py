@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from accuracy import (
     ComparisonResult,
@@ -68,6 +68,7 @@ from accuracy import (
 )
 from accuracy.compare import normalize_name
 from accuracy.plots import save_figure
+from bench.common import perturbed, tiny_llama
 from tree_dev.engine import Engine, SamplingParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -90,24 +91,8 @@ PROMPT_TEXTS = [
 # --------------------------------------------------------------------------- models
 def tiny_random_pair(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = 64):
     """A tiny random Llama target and a correlated draft (its copy with 30% weight noise)."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=None,
-    )
-    target = LlamaForCausalLM(cfg).eval()
-    draft = copy.deepcopy(target)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.3 * p.std().clamp(min=1e-3))
-    return target, draft
+    target = tiny_llama(seed, vocab=vocab, hidden=hidden, layers=layers, max_positions=1024)
+    return target, perturbed(target, 0.3, seed + 1)
 
 
 def load_models(random: bool = False, path: str | os.PathLike | None = None):

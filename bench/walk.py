@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -46,31 +45,21 @@ import torch
 from tqdm import tqdm
 
 import kernels
+from bench.common import random_tree
 from bench.io import atomic_write_bytes, save_figure
 from bench.timing import graph_or_eager
 from kernels.reference import target_probs
-from tree_dev.tree import TokenTree, TreeBatch
+from tree_dev.tree import TreeBatch
 
 GOAL = dict(mode="greedy", batch=64, nodes=64, vocab=32768, limit_us=15.0)
-
-
-def random_tree(n: int, seed: int) -> TokenTree:
-    """A random bushy tree of ``n`` nodes, at most 8 children per node."""
-    rng = random.Random(seed)
-    parents, kids = [-1], [0] * n
-    for i in range(1, n):
-        p = rng.randrange(i)
-        while kids[p] >= 8:
-            p = rng.randrange(i)
-        kids[p] += 1
-        parents.append(p)
-    return TokenTree.from_parents(parents)
 
 
 def make_case(batch: int, nodes: int, vocab: int, device: str, seed: int = 0) -> dict:
     """Inputs of one grid point, generated on ``device`` (bf16 logits, fp32 draft probs)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    tb = TreeBatch([random_tree(nodes, seed + r) for r in range(batch)], device=device)
+    tb = TreeBatch(
+        [random_tree(nodes, seed + r, max_children=8) for r in range(batch)], device=device
+    )
     t = tb.total_nodes
     rand = lambda *shape, **kw: torch.randn(*shape, generator=gen, device=device, **kw)
     logits = rand(t, vocab, dtype=torch.bfloat16) * 3

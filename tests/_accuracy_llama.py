@@ -7,6 +7,7 @@ import copy
 import torch
 
 from accuracy import ModelCapture
+from tests.factories import tiny_llama as _tiny_llama
 
 MODULES = [
     "model.embed_tokens",
@@ -20,20 +21,10 @@ PERTURBED = "model.layers.1.mlp"
 
 
 def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
+    """A 3-layer random Llama (vocab 128, width 64) in SDPA attention, eval mode."""
+    return _tiny_llama(
+        seed, vocab=128, hidden=64, layers=3, max_positions=64, attn_implementation="sdpa"
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def variants(model):

@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.factories import hf_greedy, perturbed, tiny_llama
 from tree_dev.engine import Engine, SamplingParams
 
 VOCAB = 64
@@ -29,44 +29,6 @@ POLICIES = [
     "hybrid:k=2,depth=3,budget=10,ngram=6",
     "hybrid:k=3,depth=2,budget=6,temp=0.4,p=0.2",
 ]
-
-
-def tiny_llama(seed: int, layers: int = 2, hidden: int = 64, vocab: int = VOCAB):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=None,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def perturbed(model, scale: float, seed: int):
-    """A copy of ``model`` with Gaussian noise on every weight: a correlated draft."""
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
-    return other
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),  # else HF masks every token equal to pad_token_id
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

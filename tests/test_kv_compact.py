@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from kernels import reference
+from tests.factories import BACKENDS, random_tree
 from tree_dev.tree import TokenTree, TreeBatch
 
-BACKENDS = ["torch", "triton", "nki"]
 # examples: hypothesis runs; max_batch / max_nodes / max_prefix: largest drawn;
 # max_layers: leading layer dim drawn (the interpreter pays per program).
 LIMITS = {
@@ -33,19 +33,17 @@ LIMITS = {
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def random_tree(n: int, rng: random.Random) -> TokenTree:
-    width = rng.choice([None, 1, 3])
-    return TokenTree.from_parents(
-        [-1] + [rng.randrange(0 if width is None else max(0, i - width), i) for i in range(1, n)]
-    )
-
-
 def make_case(seed: int, lim: dict, paged: bool, layers: int, dtype: torch.dtype) -> dict:
     """Caches holding prefix + tree K/V, and a random accepted path per request."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     b = rng.randint(1, lim["max_batch"])
-    trees = [random_tree(rng.randint(1, lim["max_nodes"]), rng) for _ in range(b)]
+    trees = [
+        random_tree(
+            rng.randint(1, lim["max_nodes"]), rng.randrange(2**31), rng.choice([None, 1, 3])
+        )
+        for _ in range(b)
+    ]
     plens = [rng.choice([0, rng.randint(1, lim["max_prefix"])]) for _ in range(b)]
     d = max(t.max_depth for t in trees)
     nodes = torch.full((b, d + 1), -1, dtype=torch.int64)

@@ -19,15 +19,8 @@ import kernels
 import kernels.nki as nki_backend
 from kernels import reference
 from kernels.nki import runtime
+from tests.factories import random_tree
 from tree_dev.tree import TokenTree, TreeBatch
-
-
-def random_tree(n: int, seed: int, width: int | None = None) -> TokenTree:
-    rng = random.Random(seed)
-    parents = [-1] + [
-        rng.randrange(0 if width is None else max(0, i - width), i) for i in range(1, n)
-    ]
-    return TokenTree.from_parents(parents)
 
 
 def test_runtime_is_the_executor_here_and_says_so():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import random
 
 import pytest
 import torch
@@ -22,9 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from kernels import reference
+from tests.factories import BACKENDS, random_tree
 from tree_dev.tree import TokenTree, TreeBatch
 
-BACKENDS = ["torch", "triton", "nki"]
 # max_nodes: largest tree drawn; max_prefix: longest prefix drawn; examples: hypothesis runs;
 # max_kv_heads: KV heads drawn (the interpreter pays per program).
 LIMITS = {
@@ -44,20 +43,6 @@ TOL = {
 
 
 # ----------------------------------------------------------------------------- inputs
-def random_tree(n: int, seed: int, width: int | None = None) -> TokenTree:
-    """A random topologically ordered tree of ``n`` nodes.
-
-    Node i's parent is uniform among the ``width`` nodes before it (``width=1``: a
-    chain; ``None``: any earlier node, bushy trees).
-    """
-    rng = random.Random(seed)
-    parents = [-1]
-    for i in range(1, n):
-        lo = 0 if width is None else max(0, i - width)
-        parents.append(rng.randrange(lo, i))
-    return TokenTree.from_parents(parents)
-
-
 @st.composite
 def trees(draw, max_nodes: int) -> TokenTree:
     n = draw(st.one_of(st.integers(1, 8), st.integers(1, max_nodes)))

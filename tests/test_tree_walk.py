@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from kernels import reference
+from tests.factories import BACKENDS, random_tree
 from tree_dev.tree import TokenTree, TreeBatch
 
-BACKENDS = ["torch", "triton", "nki"]
 MODES = ["greedy", "target_only", "draft_probs"]
 # examples: hypothesis runs per mode; max_nodes / max_batch: largest tree / batch drawn;
 # big_nodes: the largest tree of the big-tree test (several 64-bit mask words);
@@ -42,16 +42,6 @@ VOCABS = [16, 61, 256, 1000]
 
 
 # ----------------------------------------------------------------------------- inputs
-def random_tree(n: int, seed: int, width: int | None = None) -> TokenTree:
-    """Random topologically ordered tree; node i's parent among the ``width`` nodes before."""
-    rng = random.Random(seed)
-    parents = [-1]
-    for i in range(1, n):
-        lo = 0 if width is None else max(0, i - width)
-        parents.append(rng.randrange(lo, i))
-    return TokenTree.from_parents(parents)
-
-
 def gumbel_top_k(q: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     """``k`` draws without replacement from each row of ``q [R, V]``, in draw order."""
     u = torch.rand(q.shape, generator=gen, dtype=torch.float64).clamp_min(1e-300)
