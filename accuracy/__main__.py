@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--accepted", default=None, help="accepted node ids, e.g. 0,1,3")
     t.add_argument("--threshold", type=float, default=0.01)
     t.add_argument("--plot", default=None, help="write a PNG of error per tree depth")
+    t.add_argument(
+        "--hf-model",
+        default=None,
+        help="vLLM tree captures: first capture HF dense decoding of every node's "
+        "root-to-node path from this checkpoint into DENSE",
+    )
     h = sub.add_parser(
         "hf-vs-vllm",
         help="capture vLLM, HF FP32 and HF BF16 on the same tokens; two- and three-way reports",
@@ -139,8 +145,11 @@ def _tree(args) -> int:
     from .plots import plot_tree_errors
     from .tree_compare import compare_tree_with_dense, errors_by_depth, print_tree_report
 
+    tree_fwds = read(args.tree)
+    if any("tree_batch" in f.metadata.extra for f in tree_fwds):
+        return _tree_vllm(args, tree_fwds)
     dense = read(args.dense)
-    passes = [f for f in read(args.tree) if f.metadata.tree is not None]
+    passes = [f for f in tree_fwds if f.metadata.tree is not None]
     if not passes:
         raise ValueError(f"{args.tree}: no pass carries tree metadata")
     accepted = [int(x) for x in args.accepted.split(",")] if args.accepted else None
@@ -148,6 +157,36 @@ def _tree(args) -> int:
     for fwd in passes:
         rows += compare_tree_with_dense(fwd, dense, accepted_nodes=accepted)
     bad = print_tree_report(rows, args.threshold)
+    if args.plot:
+        print(f"plot: {plot_tree_errors(errors_by_depth(rows), args.plot)}")
+    return 1 if bad else 0
+
+
+def _tree_vllm(args, tree_fwds) -> int:
+    """Tree verify passes of a vLLM capture vs HF dense decoding of each node's path."""
+    import torch
+
+    from .compare import normalize_name
+    from .plots import plot_tree_errors
+    from .tree_compare import errors_by_depth, print_tree_report
+    from .vllm_compare import (
+        capture_hf_tree_reference,
+        compare_vllm_tree,
+        load_hf_model,
+        vllm_tree_passes,
+    )
+
+    passes = vllm_tree_passes(tree_fwds)
+    if not passes:
+        raise ValueError(f"{args.tree}: no tree verify pass")
+    if args.hf_model:
+        model = load_hf_model(args.hf_model, torch.float32)
+        capture_hf_tree_reference(model, passes, passes[0].module_names, args.dense)
+    rows = compare_vllm_tree(read(args.dense), passes)
+    bad = print_tree_report(rows, args.threshold, "HF dense", "vLLM tree")
+    first = next((r for r in rows if r.result.deviates(args.threshold)), None)
+    if first is not None:
+        print(f"FIRST DIVERGENT LAYER: {normalize_name(first.module)} ({first.result.name})")
     if args.plot:
         print(f"plot: {plot_tree_errors(errors_by_depth(rows), args.plot)}")
     return 1 if bad else 0

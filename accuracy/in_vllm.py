@@ -633,8 +633,15 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
         }
     tree_md = None
     if tree is not None:
-        extra["tree_batch"] = tree.pop("raw")
-        if len(tree["parents"]) <= slots:
+        raw = tree.pop("raw")
+        extra["tree_batch"] = {k: raw[k] for k in ("req_ids", "parents", "tokens", "prefix_lens")}
+        ib = runner.input_batch
+        extra["tree_context"] = {  # committed tokens before each tree's root (position P)
+            rid: ib.token_ids_cpu[i, : meta["num_computed_tokens"][i] + 1].tolist()
+            for i, rid in enumerate(meta["req_ids"])
+            if rid in raw["req_ids"]
+        }
+        if len(tree["parents"]) == meta["num_real"]:  # every real slot is a tree node
             tree_md = tree
     meta["seq"] = cap.writer._seq
     items = cap.registry.get_all()

@@ -371,3 +371,136 @@ def hf_vs_vllm(
     )
     secs["compare"] = time.perf_counter() - t0
     return HFvsVLLMResult(s2, s3, f2, f3, secs, gen_ids)
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def vllm_tree_passes(fwds: list[CapturedForwardPass]) -> list[CapturedForwardPass]:
+    """One pass per (request, tree verify forward) of vLLM captures made with the tree
+    plugin: the request's node rows, ``TreeMetadata`` (parents, tokens, positions =
+    prefix + depth) and, in ``extra["context"]``, the committed tokens up to and
+    including the root. Passes without a tree are skipped."""
+    from .tensor_io import TreeMetadata
+
+    out: list[CapturedForwardPass] = []
+    k = 0
+    for fwd in fwds:
+        meta = fwd.metadata
+        tb = meta.extra.get("tree_batch")
+        if not tb:
+            continue
+        table = meta.extra["slot_table"]
+        ctx = meta.extra.get("tree_context") or {}
+        for j, rid in enumerate(tb["req_ids"]):
+            if rid not in meta.req_ids:
+                continue
+            r = meta.req_ids.index(rid)
+            off, cnt = table[r]
+            n = len(tb["parents"][j])
+            if n > cnt:
+                raise ValueError(
+                    f"{fwd.dir_name}: request {rid} has a {n}-node tree but {cnt} slots"
+                )
+            pos = meta.positions[off : off + n]
+            tree = TreeMetadata(parents=tb["parents"][j], tokens=tb["tokens"][j], positions=pos)
+            md = ForwardPassMetadata(
+                req_ids=[rid],
+                positions=list(pos),
+                token_ids=list(tb["tokens"][j]),
+                tree=tree,
+                modules=list(meta.modules),
+                seq=k,
+                extra={"source_pass": fwd.dir_name, "context": ctx.get(rid)},
+            )
+            rows = {
+                name: {rk: _rows(t, name, off, off + n) for rk, t in ranks.items()}
+                for name, ranks in fwd.tensors.items()
+            }
+            out.append(CapturedForwardPass(f"decode_b{n}_{k}", md, rows))
+            k += 1
+    return out
+
+
+@torch.no_grad()
+def capture_hf_tree_reference(
+    model, tree_passes: list[CapturedForwardPass], modules: list[str], capture_dir: str
+) -> str:
+    """HF dense decoding of every tree node's root-to-node path, as a capture directory.
+
+    For node ``n`` of a tree whose root sits at position ``P``: one forward over the
+    committed tokens ``context[:P]`` followed by the path's tokens; its last row is
+    what the tree verify forward must produce at ``n``. One ``decode_b1`` pass per node
+    (``extra``: source pass and node). Raises ValueError when a pass lacks its context or
+    its root token is not the context's last token.
+    """
+    cap = ModelCapture(model, modules, capture_dir, config={"engine": "hf"})
+    writer = CaptureWriter(capture_dir, config={"engine": "hf", "tree_reference": True})
+    writer.enable()
+    for fwd in tree_passes:
+        tree, ctx = fwd.metadata.tree, fwd.metadata.extra.get("context")
+        P = fwd.metadata.positions[0]
+        if not ctx or len(ctx) != P + 1 or ctx[P] != tree.tokens[0]:
+            raise ValueError(
+                f"{fwd.dir_name} ({fwd.metadata.extra.get('source_pass')}): the committed "
+                f"context does not end with the tree root at position {P}"
+            )
+        for n in range(len(tree.parents)):
+            path = tree.path_slots(n)
+            ids = list(ctx[:P]) + [tree.tokens[s] for s in path]
+            cap.setup_tensor_capture()
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+            items = cap.registry.get_all()
+            cap.save_tensor_captures(None, False)
+            writer.write(
+                [t[:, -1:] for _, t in items],
+                [nm for nm, _ in items],
+                fwd.metadata.req_ids,
+                [P + tree.depths[n]],
+                False,
+                token_ids=[tree.tokens[n]],
+                extra={"source_pass": fwd.metadata.extra.get("source_pass"), "node": n},
+            )
+    cap.remove()
+    return capture_dir
+
+
+def compare_vllm_tree(
+    dense: list[CapturedForwardPass], tree_passes: list[CapturedForwardPass]
+) -> list:
+    """Every captured module at every tree node vs HF's dense decoding of the node's
+    path (:func:`capture_hf_tree_reference`), paired by (request, source pass, node).
+    Returns :class:`accuracy.TreeNodeComparison` rows in forward (module) order."""
+    from .compare import _resolve as resolve_capture
+    from .compare import compare_tensors, normalize_name
+    from .tree_compare import TreeNodeComparison, TreeNodePair
+
+    index = {
+        (f.metadata.req_ids[0], f.metadata.extra.get("source_pass"), f.metadata.extra["node"]): (
+            i,
+            f,
+        )
+        for i, f in enumerate(dense)
+        if "node" in f.metadata.extra
+    }
+    rows: list[TreeNodeComparison] = []
+    modules = [m for m in (tree_passes[0].module_names if tree_passes else [])]
+    for m in modules:
+        for tp in tree_passes:
+            tree, rid = tp.metadata.tree, tp.metadata.req_ids[0]
+            src = tp.metadata.extra.get("source_pass")
+            got = vllm_reconstruct(tp.rank_tensors(m), normalize_name(m), "decode", [])
+            for n in range(len(tree.parents)):
+                hit = index.get((rid, src, n))
+                if hit is None:
+                    raise ValueError(f"no dense reference for {rid} {src} node {n}")
+                i, df = hit
+                dn = resolve_capture(df, m)
+                if dn is None:
+                    raise ValueError(f"module '{m}' not captured in the dense pass {df.dir_name}")
+                ref = df.rank_tensors(dn)[0].reshape(-1).float()
+                pair = TreeNodePair(0, n, tree.depths[n], tp.metadata.positions[n], n, i, 0)
+                name = f"{normalize_name(m)}/{src}/node{n}"
+                res = compare_tensors(ref, got[n].reshape(-1).float(), name)
+                rows.append(TreeNodeComparison(m, pair, res))
+    return rows
