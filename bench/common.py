@@ -103,3 +103,10 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def distinct_ratio(outputs: list[list[int]]) -> float:
+    """Mean over outputs of distinct tokens / tokens (1.0: no token repeats; a loop
+    of a few tokens gives a small ratio)."""
+    ratios = [len(set(o)) / len(o) for o in outputs if o]
+    return sum(ratios) / len(ratios) if ratios else 0.0

@@ -1,27 +1,33 @@
 """End-to-end tree speculative decoding on the tiny trained model set: the main job.
 
-For chain, static tree and dynamic top-K policies at node budgets 4..64, decode
-held-out standard-library prompts at batch 1 (greedy) and report:
+On held-out standard-library prompts at batch 1, in one run, side by side:
 
-- tau: tokens emitted per target forward (accepted drafts + the bonus token),
-- acceptance per depth,
-- tokens/s and the speedup over plain autoregressive decoding of the target
-  (``--tree none`` through the same engine, measured in the same run): the grid
-  runs in ``--rounds`` rounds, each between two autoregressive runs, and a speedup
-  is the median over rounds of the policy's tokens/s over its round's baseline
-  (the range over rounds is printed too: this shared machine drifts by 10-20%
-  within minutes),
-- the draft's share of the decode time,
-- whether every output equals the autoregressive output (lossless),
-- the target's measured verify cost per tree size.
+- the peers, on the same target and prompts: Hugging Face ``generate`` plain
+  (greedy / sampling), HF prompt lookup (``prompt_lookup_num_tokens=10``, no draft
+  model) and HF assisted generation with the draft LM;
+- the engine's plain decoding (``--tree none``) and its grid: chain, static tree and
+  dynamic top-K policies at node budgets 4..64 with the EAGLE head and the draft LM,
+  the draft-free n-gram trie (``ngram:``) and the hybrid tree (top-K + n-gram trie,
+  ``hybrid:``);
 
-The best policy for this machine is the one with the highest *measured*
-tokens/s, which folds in the verify cost of its tree size and the draft's cost,
-not acceptance alone. Writes ``results/e2e.json`` (``best_policy`` is read by
-``serve.py``) and ``results/e2e.png``.
+at temperature 0 (greedy) and 0.8 (HF sampling vs the engine's lossless sampling;
+the tiny target loops under greedy decoding, which flatters n-gram drafting). For
+each: tau (tokens per target forward), acceptance per depth, tokens/s, the speedup
+over HF's plain ``generate`` and over the engine's own plain decoding, the draft's
+share of the decode time, the distinct-token ratio of the outputs (how loopy the
+text was) and, greedy, whether every output equals HF greedy's token for token.
 
-    python -m bench.e2e            # full grid, 3 rounds (about 7 minutes)
-    python -m bench.e2e --quick    # budgets 4 and 16, fewer prompts, 1 round
+The grid runs in ``--rounds`` rounds, each between two HF-plain and two engine-plain
+runs; a speedup is the median over rounds of tokens/s over the round's baseline (this
+shared machine drifts by 10-20% within minutes). Tokens per second of process CPU
+time are recorded too (``cpu_tokens_per_s``): less sensitive to other processes.
+
+The best policy for this machine is the greedy one with the highest *measured*
+tokens/s among those that pass the propose gate. Writes ``results/e2e.json``
+(``best_policy`` is read by ``serve.py``) and ``results/e2e.png``.
+
+    python -m bench.e2e            # full grid, both temperatures, 3 rounds
+    python -m bench.e2e --quick    # budgets 8 and 16, fewer prompts, 1 round
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.common import distinct_ratio
 from bench.io import atomic_write_json, save_figure
 from tree_dev.engine import Engine, SamplingParams
 from tree_dev.tree import MC_SIM_7B_63
@@ -44,15 +51,19 @@ BUDGETS = (4, 8, 16, 32, 64)
 # "topk-fast": half as deep, fewer draft forwards per step (depth = draft forwards).
 TOPK_SHAPES = {4: (2, 4), 8: (2, 8), 16: (2, 12), 32: (3, 16), 64: (4, 16)}
 TOPK_FAST_SHAPES = {4: (2, 2), 8: (2, 4), 16: (2, 6), 32: (3, 8), 64: (4, 8)}
-FAMILIES = ("chain", "static", "topk", "topk-fast")
+FAMILIES = ("chain", "static", "topk", "topk-fast", "hybrid", "ngram")
+DRAFT_FREE = ("ngram",)  # families that run no draft model
 # The trained drafts are right more often than their probabilities say: ranking nodes
 # with log-probs sharpened by 1/0.3 favours depth (measured: top-K tau at budget 16 goes
 # from 0.92x to 1.23x the chain's with the EAGLE head). It only shapes the tree.
 RANK_TEMP = 0.3
+PEERS = ("hf", "hf-lookup", "hf-assisted")  # HF generate: plain, prompt lookup, assisted
+LOOKUP_TOKENS = 10
 
 
 def policies(budget: int) -> dict[str, str]:
-    """Tree specs with ``budget`` draft nodes: chain, static (Medusa order), dynamic top-K."""
+    """Tree specs with ``budget`` draft nodes: chain, static (Medusa order), dynamic
+    top-K, the hybrid (top-K-fast + n-gram trie) and the draft-free n-gram trie."""
     paths = ",".join(str(p) for p in MC_SIM_7B_63[: min(budget, len(MC_SIM_7B_63))])
     k, depth = TOPK_SHAPES[budget]
     kf, df = TOPK_FAST_SHAPES[budget]
@@ -61,6 +72,8 @@ def policies(budget: int) -> dict[str, str]:
         "static": f"paths:[{paths}]",
         "topk": f"topk:k={k},depth={depth},budget={budget},temp={RANK_TEMP}",
         "topk-fast": f"topk:k={kf},depth={df},budget={budget},temp={RANK_TEMP}",
+        "hybrid": f"hybrid:k={kf},depth={df},budget={budget},temp={RANK_TEMP}",
+        "ngram": f"ngram:budget={budget}",
     }
 
 
@@ -83,9 +96,16 @@ def held_out_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def run_policy(
-    models, spec: str, drafter: str, prompts: list[list[int]], max_tokens: int, backend: str
+    models,
+    spec: str,
+    drafter: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    backend: str,
+    temperature: float = 0.0,
 ) -> dict:
-    """Decode every prompt alone (batch 1); returns measurements and outputs."""
+    """Decode every prompt alone (batch 1) through the engine; returns measurements and
+    outputs (``temperature > 0``: lossless sampling, seeded per prompt)."""
     draft = models.draft if drafter == "draft" and spec != "none" else None
     eagle = models.eagle if drafter == "eagle" and spec != "none" else None
     engine = Engine(
@@ -97,14 +117,16 @@ def run_policy(
         max_model_len=len(prompts[0]) + max_tokens + 8,
         kernel_backend=backend,
     )
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for key in engine.timings:
         engine.timings[key] = 0.0
     engine.forwards = {"target": 0, "draft": 0}
     outputs, tried, accepted = [], [], []
-    start = time.perf_counter()
-    for p in prompts:
+    start, cpu = time.perf_counter(), time.process_time()
+    for i, p in enumerate(prompts):
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i
+        )
         rid = engine.add_request(p, params)
         while engine.has_work():
             engine.step()
@@ -116,19 +138,69 @@ def run_policy(
                 accepted.append(0)
             tried[d] += t
             accepted[d] += a
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o) for o in outputs)
     decode = engine.timings["draft"] + engine.timings["verify"] + engine.timings["walk"]
     return {
         "spec": spec,
         "drafter": drafter if spec != "none" else None,
+        "temperature": temperature,
         "tokens": tokens,
         "seconds": wall,
         "tokens_per_s": tokens / wall,
+        "cpu_tokens_per_s": tokens / cpu,
         "target_forwards": engine.forwards["target"],
+        "draft_forwards": engine.forwards["draft"],
         "tau": tokens / max(1, engine.forwards["target"]),
         "acceptance_per_depth": [a / t if t else 0.0 for a, t in zip(accepted, tried)],
         "draft_share": engine.timings["draft"] / decode if decode else 0.0,
+        "distinct_ratio": distinct_ratio(outputs),
+        "outputs": outputs,
+    }
+
+
+def run_hf(
+    hf_models, kind: str, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+) -> dict:
+    """Hugging Face ``generate`` on its own copy of the target (SDPA attention): plain,
+    prompt lookup (``prompt_lookup_num_tokens=10``) or assisted by the draft LM, greedy
+    or sampling (``temperature``, no top-k / top-p truncation), no EOS stop."""
+    target = hf_models.target
+    kw: dict = dict(max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw.update(do_sample=False)
+    if kind == "hf-lookup":
+        kw["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
+    elif kind == "hf-assisted":
+        kw["assistant_model"] = hf_models.draft
+    elif kind != "hf":
+        raise ValueError(f"unknown HF method {kind!r}; expected one of {PEERS}")
+
+    def one(p: list[int]) -> list[int]:
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        return out[0, len(p) :].tolist()
+
+    one(prompts[0][:16])  # warm-up
+    outputs = []
+    start, cpu = time.perf_counter(), time.process_time()
+    for i, p in enumerate(prompts):
+        torch.manual_seed(i)
+        outputs.append(one(p))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o) for o in outputs)
+    return {
+        "spec": kind,
+        "drafter": "draft" if kind == "hf-assisted" else None,
+        "temperature": temperature,
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "cpu_tokens_per_s": tokens / cpu,
+        "distinct_ratio": distinct_ratio(outputs),
         "outputs": outputs,
     }
 
@@ -158,45 +230,107 @@ def verify_cost(models, prefix: int, sizes: tuple[int, ...], backend: str, reps:
     return out
 
 
-def plot(results: list[dict], verify_ms: dict, path: Path) -> None:
+def draft_level_ms(models, backend: str, prefix: int = 96, reps: int = 100) -> dict:
+    """CPU ms (thread time, min over ``reps``: robust to other processes) of one draft
+    forward per kind of level, for the EAGLE head and the draft LM, at batch 1:
+    ``level0``: the trunk (5 accepted tokens ending in the root, logits at the root
+    only); ``topk-level``: 2 new nodes below 2 earlier ones; ``chain-level``: the next
+    node of a chain."""
+    from tree_dev.engine import tree_of
+
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "level0": (tree_of((-1, 0, 1, 2, 3)), [0, 1, 2, 3, 4], [4]),
+        "topk-level": (tree_of((-1, 0, 0, 1, 1)), [3, 4], [0, 1]),
+        "chain-level": (tree_of((-1, 0, 1, 2)), [3], [0]),
+    }
+    out = {}
+    for drafter in ("eagle", "draft"):
+        kw = {"eagle": models.eagle} if drafter == "eagle" else {"draft": models.draft}
+        engine = Engine(
+            models.target,
+            tree="chain:4",
+            max_batch=1,
+            max_model_len=prefix + 80,
+            kernel_backend=backend,
+            **kw,
+        )
+        dr = engine.draft_runner
+        vocab = engine.vocab_size
+        prompt = torch.randint(0, vocab, (prefix + 1,), generator=gen).tolist()
+        hidden = models.target.config.hidden_size
+        feats = torch.randn(prefix, hidden, generator=gen)
+        dr.prefill([0], [0], [prompt[:prefix]], [feats] if dr.eagle else None)
+        for name, (tree, nodes, rows) in cases.items():
+            f = feats[: len(nodes)] if dr.eagle else None
+            times = []
+            for _ in range(reps):
+                t0 = time.thread_time()
+                dr.forward([0], [prefix], [tree], [nodes], prompt[-1:] * len(nodes), f, True, rows)
+                times.append(time.thread_time() - t0)
+            out[f"{drafter}/{name}"] = 1000 * min(times)
+        dr.cache.free(0)
+    return out
+
+
+def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for family, marker in zip(FAMILIES, "os^v"):
-        for drafter, style in (("eagle", "-"), ("draft", "--")):
-            rows = [r for r in results if r.get("family") == family and r["drafter"] == drafter]
-            if not rows:
-                continue
-            b = [r["budget"] for r in rows]
-            label = f"{family} ({drafter})"
-            axes[0].plot(b, [r["tau"] for r in rows], style, marker=marker, label=label)
-            axes[1].plot(b, [r["speedup"] for r in rows], style, marker=marker, label=label)
-    axes[0].set(
-        xscale="log",
-        xlabel="draft nodes (budget)",
-        ylabel="tau (tokens / target fwd)",
-        title="Mean accepted length",
-    )
-    axes[1].axhline(1.0, color="grey", lw=0.8)
-    axes[1].set(
-        xscale="log",
-        xlabel="draft nodes (budget)",
-        ylabel="speedup vs autoregressive",
-        title="Throughput at batch 1",
-    )
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, 2 + len(temps), figsize=(6 + 5 * len(temps), 4.4))
+    greedy = [r for r in rows if r["temperature"] == 0]
+    for family, marker in zip(FAMILIES, "os^vDx"):
+        for drafter, style in (("eagle", "-"), ("draft", "--"), (None, ":")):
+            sel = [r for r in greedy if r.get("family") == family and r["drafter"] == drafter]
+            if sel:
+                axes[0].plot(
+                    [r["budget"] for r in sel],
+                    [r["tau"] for r in sel],
+                    style,
+                    marker=marker,
+                    label=f"{family} ({drafter or 'no draft'})",
+                )
+    axes[0].set(xscale="log", xlabel="draft nodes (budget)", ylabel="tau", title="tau, greedy")
+    for ax, temp in zip(axes[1:], temps):
+        for family, marker in zip(FAMILIES, "os^vDx"):
+            for drafter, style in (("eagle", "-"), ("draft", "--"), (None, ":")):
+                sel = [
+                    r
+                    for r in rows
+                    if r["temperature"] == temp
+                    and r.get("family") == family
+                    and r["drafter"] == drafter
+                ]
+                if sel:
+                    ax.plot(
+                        [r["budget"] for r in sel],
+                        [r["speedup_vs_hf"] for r in sel],
+                        style,
+                        marker=marker,
+                        label=f"{family} ({drafter or 'no draft'})",
+                    )
+        for peer, color in zip(peers, ("k", "tab:red", "tab:purple", "tab:gray")):
+            if peer["temperature"] == temp and "speedup_vs_hf" in peer:
+                ax.axhline(peer["speedup_vs_hf"], color=color, lw=0.9, ls="-.", label=peer["spec"])
+        ax.set(
+            xscale="log",
+            xlabel="draft nodes (budget)",
+            ylabel="tokens/s over HF generate",
+            title=f"batch 1, temperature {temp}",
+        )
     sizes = sorted(verify_ms)
-    axes[2].plot(sizes, [verify_ms[s] for s in sizes], marker="o")
-    axes[2].set(xscale="log", xlabel="tree nodes", ylabel="ms", title="Target verify forward")
-    budgets = sorted({r["budget"] for r in results})
-    for ax in axes[:2]:
+    axes[-1].plot(sizes, [verify_ms[s] for s in sizes], marker="o")
+    axes[-1].set(xscale="log", xlabel="tree nodes", ylabel="ms", title="Target verify forward")
+    budgets = sorted({r["budget"] for r in rows})
+    for ax in axes[:-1]:
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.minorticks_off()
-        ax.legend(fontsize=7)
-    axes[2].set_xticks(sizes, [str(s) for s in sizes])
-    axes[2].minorticks_off()
+        ax.legend(fontsize=6)
+    axes[-1].set_xticks(sizes, [str(s) for s in sizes])
+    axes[-1].minorticks_off()
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -204,11 +338,16 @@ def plot(results: list[dict], verify_ms: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="budgets 4 and 16, 4 prompts")
+    ap.add_argument("--quick", action="store_true", help="budgets 8 and 16, 4 prompts, 1 round")
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=96)
-    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 64)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 128)")
     ap.add_argument("--drafter", choices=("eagle", "draft", "both"), default="both")
+    ap.add_argument("--budgets", default=None, help="comma-separated (default 4,8,16,32,64)")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    ap.add_argument(
+        "--temperatures", default="0,0.8", help="comma-separated (0: greedy; default 0,0.8)"
+    )
     ap.add_argument("--kernel-backend", default="torch")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument(
@@ -218,101 +357,173 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    budgets = (4, 16) if args.quick else BUDGETS
+    if args.budgets:
+        budgets = tuple(int(b) for b in args.budgets.split(","))
+        bad = [b for b in budgets if b not in TOPK_SHAPES]
+        if bad:
+            raise ValueError(f"--budgets: {bad} not in {sorted(TOPK_SHAPES)}")
+    else:
+        budgets = (8, 16) if args.quick else BUDGETS
+    families = tuple(f.strip() for f in args.families.split(","))
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"--families: unknown {unknown}; known {FAMILIES}")
+    temps = tuple(float(t) for t in args.temperatures.split(","))
     n_prompts = args.prompts or (4 if args.quick else 8)
-    max_tokens = args.max_tokens or (32 if args.quick else 64)
+    max_tokens = args.max_tokens or (64 if args.quick else 128)
     drafters = ("eagle", "draft") if args.drafter == "both" else (args.drafter,)
 
     from tree_dev.models import load
 
     models = load(args.models)
+    hf_models = load(args.models)  # untouched copies (SDPA attention) for HF generate
     prompts = held_out_prompts(models.tokenizer, n_prompts, args.prompt_tokens)
     jobs = []
-    for drafter in drafters:
+    for temp in temps:
         for b in budgets:
             for family, spec in policies(b).items():
-                jobs.append((spec, drafter, family, b))
-    # Rounds of the whole grid, each between two autoregressive runs: a policy's speedup
-    # is the median over rounds of its tokens/s over its round's baseline, so drift of
-    # the shared machine within a round hits both sides alike.
+                if family not in families:
+                    continue
+                for drafter in ("none",) if family in DRAFT_FREE else drafters:
+                    jobs.append((spec, drafter, family, b, temp))
+    # Rounds of the whole grid, each between two runs of the baselines (HF plain and the
+    # engine's plain, at every temperature): a speedup is the median over rounds of
+    # tokens/s over its round's baseline, so drift within a round hits both sides alike.
     rounds = args.rounds or (1 if args.quick else 3)
-    baselines: list[dict] = []
-    round_base: list[float] = []
+    base_runs: dict[tuple[str, float], list[list[dict]]] = {}
+    peer_runs: dict[tuple[str, float], list[dict]] = {}
     runs: list[list[dict]] = [[] for _ in jobs]
+
+    def baselines(rnd: int) -> None:
+        for temp in temps:
+            for key, fn in (
+                ("hf", lambda t=temp: run_hf(hf_models, "hf", prompts, max_tokens, t)),
+                (
+                    "none",
+                    lambda t=temp: run_policy(
+                        models, "none", "none", prompts, max_tokens, args.kernel_backend, t
+                    ),
+                ),
+            ):
+                base_runs.setdefault((key, temp), [[] for _ in range(rounds)])[rnd].append(fn())
+
     for rnd in range(rounds):
-        first = run_policy(models, "none", "none", prompts, max_tokens, args.kernel_backend)
-        for j, (spec, drafter, family, budget) in enumerate(
+        baselines(rnd)
+        for temp in temps:
+            for kind in PEERS[1:]:
+                r = run_hf(hf_models, kind, prompts, max_tokens, temp)
+                peer_runs.setdefault((kind, temp), []).append(r)
+        for j, (spec, drafter, family, budget, temp) in enumerate(
             tqdm(jobs, desc=f"policies, round {rnd + 1}/{rounds}")
         ):
-            r = run_policy(models, spec, drafter, prompts, max_tokens, args.kernel_backend)
+            r = run_policy(models, spec, drafter, prompts, max_tokens, args.kernel_backend, temp)
             r.update(family=family, budget=budget)
             runs[j].append(r)
-        last = run_policy(models, "none", "none", prompts, max_tokens, args.kernel_backend)
-        baselines += [first, last]
-        round_base.append(statistics.median([first["tokens_per_s"], last["tokens_per_s"]]))
-    base_tps = statistics.median(r["tokens_per_s"] for r in baselines)
-    ar_outputs = baselines[0]["outputs"]
-    verify_ms = verify_cost(models, args.prompt_tokens, (1, 5, 9, 17, 33, 64), args.kernel_backend)
-    rows = []
-    for per_round in runs:
-        r = dict(per_round[0])  # tau, acceptance: deterministic, the same every round
-        r["speedup_rounds"] = [x["tokens_per_s"] / b for x, b in zip(per_round, round_base)]
-        r["speedup"] = statistics.median(r["speedup_rounds"])
+        baselines(rnd)
+
+    def round_base(key: str, temp: float) -> list[float]:
+        return [statistics.median(x["tokens_per_s"] for x in rr) for rr in base_runs[(key, temp)]]
+
+    hf_greedy = base_runs[("hf", 0.0)][0][0]["outputs"] if 0.0 in temps else None
+
+    def summarize(per_round: list[dict], temp: float) -> dict:
+        r = dict(per_round[0])  # tau, acceptance: deterministic per seed, the same every round
+        for key, name in (("hf", "speedup_vs_hf"), ("none", "speedup_vs_plain")):
+            ratios = [x["tokens_per_s"] / b for x, b in zip(per_round, round_base(key, temp))]
+            r[name] = statistics.median(ratios)
+            r[name + "_rounds"] = ratios
         r["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in per_round)
-        r["draft_share"] = statistics.median(x["draft_share"] for x in per_round)
-        r["lossless"] = all(x["outputs"] == ar_outputs for x in per_round + baselines)
-        rows.append(r)
+        r["cpu_tokens_per_s"] = statistics.median(x["cpu_tokens_per_s"] for x in per_round)
+        if "draft_share" in r:
+            r["draft_share"] = statistics.median(x["draft_share"] for x in per_round)
+        if temp == 0 and hf_greedy is not None:
+            r["equals_hf_greedy"] = all(x["outputs"] == hf_greedy for x in per_round)
+        return r
+
+    rows = [summarize(pr, jobs[j][4]) for j, pr in enumerate(runs)]
+    peers = []
+    for temp in temps:
+        for key in ("hf", "none"):
+            flat = [x for rr in base_runs[(key, temp)] for x in rr]
+            peers.append(summarize(flat[::2], temp))
+        for kind in PEERS[1:]:
+            peers.append(summarize(peer_runs[(kind, temp)], temp))
+    verify_ms = verify_cost(models, args.prompt_tokens, (1, 5, 9, 17, 33, 64), args.kernel_backend)
+    level_ms = draft_level_ms(models, args.kernel_backend, args.prompt_tokens)
+
     chain_vs_topk = {}
-    chain_tau = {(r["drafter"], r["budget"]): r["tau"] for r in rows if r["family"] == "chain"}
-    for r in rows:
-        if r["family"].startswith("topk"):
-            r["tau_over_chain"] = r["tau"] / chain_tau[(r["drafter"], r["budget"])]
+    greedy = [r for r in rows if r["temperature"] == 0]
+    chain_tau = {(r["drafter"], r["budget"]): r["tau"] for r in greedy if r["family"] == "chain"}
+    for r in greedy:
+        ref = chain_tau.get((r["drafter"], r["budget"]))
+        if r["family"].startswith("topk") and ref:
+            r["tau_over_chain"] = r["tau"] / ref
             if r["family"] == "topk":
                 chain_vs_topk[f"{r['drafter']}@{r['budget']}"] = r["tau_over_chain"]
-    # the fastest policy that also passes the propose gate (a top-K tree must reach at
-    # least the chain's tau at its node budget), so serve.py's default is gate-clean
-    eligible = [r for r in rows if r.get("tau_over_chain", 1.0) >= 1.0]
-    best = max(eligible, key=lambda r: r["speedup"])
-    fastest = max(rows, key=lambda r: r["speedup"])
+    # the fastest greedy policy that also passes the propose gate (a top-K tree must reach
+    # at least the chain's tau at its node budget), so serve.py's default is gate-clean
+    eligible = [r for r in greedy if r.get("tau_over_chain", 1.0) >= 1.0] or greedy
+    best = max(eligible, key=lambda r: r["speedup_vs_plain"]) if eligible else None
+    peer_of = {(p["spec"], p["temperature"]): p for p in peers}
 
     print(
-        f"\nautoregressive baseline: {base_tps:.1f} tok/s "
-        f"(runs: {[round(r['tokens_per_s'], 1) for r in baselines]})"
+        f"\n{'method':11} {'drafter':7} {'policy':10} {'budget':>6} {'T':>3} {'tau':>5} "
+        f"{'tok/s':>7} {'cpu t/s':>7} {'/HF':>5} {'/plain':>6} {'draft%':>6} {'distinct':>8} "
+        f"{'=HF':>5}  acceptance per depth"
     )
-    print(
-        f"{'drafter':7} {'policy':10} {'budget':>6} {'tau':>5} {'tok/s':>7} {'speedup':>7} "
-        f"{'range':>9} {'draft%':>6} {'lossless':>8}  acceptance per depth"
-    )
-    for r in rows:
-        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"])
-        lo, hi = min(r["speedup_rounds"]), max(r["speedup_rounds"])
+    for r in peers + rows:
+        acc = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_depth", []))
+        tau = f"{r['tau']:5.2f}" if "tau" in r else "    -"
+        share = f"{100 * r['draft_share']:5.0f}%" if "draft_share" in r else "     -"
         print(
-            f"{r['drafter']:7} {r['family']:10} {r['budget']:>6} {r['tau']:5.2f} "
-            f"{r['tokens_per_s']:7.1f} {r['speedup']:7.2f} {lo:4.2f}-{hi:4.2f} "
-            f"{100 * r['draft_share']:5.0f}% {str(r['lossless']):>8}  {acc}"
+            f"{('engine' if 'family' in r or r['spec'] == 'none' else r['spec']):11} "
+            f"{str(r['drafter'] or '-'):7} {r.get('family', r['spec']):10} "
+            f"{r.get('budget', '-'):>6} {r['temperature']:3.1f} {tau} {r['tokens_per_s']:7.1f} "
+            f"{r['cpu_tokens_per_s']:7.1f} {r['speedup_vs_hf']:5.2f} {r['speedup_vs_plain']:6.2f} "
+            f"{share} {r['distinct_ratio']:8.2f} {str(r.get('equals_hf_greedy', '-')):>5}  {acc}"
         )
     print("verify cost (ms) by tree nodes:", {k: round(v, 2) for k, v in verify_ms.items()})
-    print(
-        "top-K tau / chain tau at the same budget:",
-        {k: round(v, 2) for k, v in chain_vs_topk.items()},
-    )
-    if fastest is not best:
-        print(
-            f"fastest: {fastest['spec']} with {fastest['drafter']} ({fastest['speedup']:.2f}x) "
-            f"but its tau is {fastest['tau_over_chain']:.2f}x the chain's (propose gate)"
+    print("draft forward CPU ms per level:", {k: round(v, 3) for k, v in level_ms.items()})
+    goals = {}
+    if 0.0 in temps:
+        best0 = max(greedy, key=lambda r: r["speedup_vs_hf"]) if greedy else None
+        plain0 = peer_of[("none", 0.0)]
+        goals["plain_at_least_1.0x_hf_greedy"] = plain0["speedup_vs_hf"] >= 1.0
+        if best0 is not None:
+            lookup = peer_of[("hf-lookup", 0.0)]
+            goals["best_tree_at_least_1.2x_hf_prompt_lookup"] = (
+                best0["tokens_per_s"] / lookup["tokens_per_s"] >= 1.2
+            )
+            goals["best_tree_at_least_1.5x_hf_greedy"] = best0["speedup_vs_hf"] >= 1.5
+            goals["best_tree_t0"] = {
+                "tree": best0["spec"],
+                "drafter": best0["drafter"],
+                "speedup_vs_hf": best0["speedup_vs_hf"],
+                "over_hf_prompt_lookup": best0["tokens_per_s"] / lookup["tokens_per_s"],
+            }
+        goals["every_greedy_output_equals_hf_greedy"] = all(
+            r.get("equals_hf_greedy", True) for r in greedy + [plain0]
         )
-    print(
-        f"best policy here: {best['spec']} with {best['drafter']} "
-        f"({best['tokens_per_s']:.1f} tok/s, {best['speedup']:.2f}x, tau {best['tau']:.2f})"
-    )
-
-    goals = {
-        "topk_tau_at_least_1.2x_chain_tau": {k: v >= 1.2 for k, v in chain_vs_topk.items()},
-        "best_speedup_at_least_1.5x": fastest["speedup"] >= 1.5,
-    }
+    if 0.8 in temps:
+        sampled = [r for r in rows if r["temperature"] == 0.8]
+        if sampled:
+            best8 = max(sampled, key=lambda r: r["speedup_vs_hf"])
+            goals["best_tree_at_least_1.3x_hf_sampling_t0.8"] = best8["speedup_vs_hf"] >= 1.3
+            goals["best_tree_t0.8"] = {
+                "tree": best8["spec"],
+                "drafter": best8["drafter"],
+                "speedup_vs_hf": best8["speedup_vs_hf"],
+            }
     print("goals:", goals)
+    if best is not None:
+        print(
+            f"best greedy policy here (gate-clean): {best['spec']} with {best['drafter']} "
+            f"({best['tokens_per_s']:.1f} tok/s, {best['speedup_vs_hf']:.2f}x HF greedy, "
+            f"{best['speedup_vs_plain']:.2f}x plain, tau {best['tau']:.2f})"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    strip = lambda r: {k: v for k, v in r.items() if k != "outputs"}  # noqa: E731
     report = {
         "config": {
             "prompts": n_prompts,
@@ -322,26 +533,26 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
             "batch": 1,
             "rounds": rounds,
+            "temperatures": list(temps),
+            "budgets": list(budgets),
+            "families": list(families),
         },
-        "baseline_tokens_per_s": base_tps,
-        "baseline_runs": [r["tokens_per_s"] for r in baselines],
-        "baseline_by_round": round_base,
+        "peers": [strip(p) for p in peers],
         "verify_ms_by_nodes": verify_ms,
+        "draft_level_cpu_ms": level_ms,
         "topk_over_chain_tau": chain_vs_topk,
-        "best_policy": {"tree": best["spec"], "drafter": best["drafter"]},
-        "best_speedup": best["speedup"],
-        "fastest_policy": {
-            "tree": fastest["spec"],
-            "drafter": fastest["drafter"],
-            "speedup": fastest["speedup"],
-        },
         "goals": goals,
-        "results": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+        "results": [strip(r) for r in rows],
     }
+    if best is not None:
+        report["best_policy"] = {"tree": best["spec"], "drafter": best["drafter"]}
+        report["best_speedup"] = best["speedup_vs_plain"]
+        report["best_speedup_vs_hf"] = best["speedup_vs_hf"]
     atomic_write_json(out / "e2e.json", report)
-    plot(rows, verify_ms, out / "e2e.png")
+    plot(rows, peers, verify_ms, out / "e2e.png")
     print(f"wrote {out / 'e2e.json'} and {out / 'e2e.png'}")
-    return 0 if all(r["lossless"] for r in rows) else 1
+    lossless = all(r.get("equals_hf_greedy", True) for r in greedy)
+    return 0 if lossless else 1
 
 
 if __name__ == "__main__":

@@ -324,8 +324,13 @@ def _row(probs: dict[int, float], vocab: int = 8) -> torch.Tensor:
     "spec,root_row,parents,tokens",
     [
         # draft: 2 (q=.6); trie 6 -> 7 with q(6)=.1 floored to p=.5, 7 unseen: p
-        ("hybrid:k=1,depth=1,budget=3,ngram=2", {2: 0.6, 6: 0.1}, [-1, 0, 0, 2], [5, 2, 6, 7]),
-        ("hybrid:k=1,depth=1,budget=2,ngram=2", {2: 0.6, 6: 0.1}, [-1, 0, 0], [5, 2, 6]),
+        (
+            "hybrid:k=1,depth=1,budget=3,ngram=2,p=0.5",
+            {2: 0.6, 6: 0.1},
+            [-1, 0, 0, 2],
+            [5, 2, 6, 7],
+        ),
+        ("hybrid:k=1,depth=1,budget=2,ngram=2,p=0.5", {2: 0.6, 6: 0.1}, [-1, 0, 0], [5, 2, 6]),
         # p=.7 lifts the trie above the draft's top-1 (.6): 6 first, then 2, then 7
         (
             "hybrid:k=1,depth=1,budget=3,ngram=2,p=0.7",
@@ -341,7 +346,7 @@ def _row(probs: dict[int, float], vocab: int = 8) -> torch.Tensor:
             [5, 2, 3, 6],
         ),
         # the draft's top-1 is the trie's 6: one node, the chain 6 -> 7 (7 at log .6 + log .5)
-        ("hybrid:k=1,depth=1,budget=2,ngram=2", {6: 0.6, 2: 0.3}, [-1, 0, 1], [5, 6, 7]),
+        ("hybrid:k=1,depth=1,budget=2,ngram=2,p=0.5", {6: 0.6, 2: 0.3}, [-1, 0, 1], [5, 6, 7]),
     ],
 )
 def test_hybrid_ranks_draft_and_ngram_nodes_on_one_scale(spec, root_row, parents, tokens):
@@ -356,7 +361,9 @@ def test_hybrid_ranks_draft_and_ngram_nodes_on_one_scale(spec, root_row, parents
 def test_hybrid_uses_the_draft_probability_deeper_in_the_trie():
     # depth 2: the draft saw the trie's 6 (its top-1) and gives 7 q=.9 there: 7 at
     # log .6 + log .9 beats the draft's second child 2 (log .3)
-    ex = expansion_for(parse_tree_spec("hybrid:k=1,depth=2,budget=2,ngram=2"), 5, [5, 6, 7, 5])
+    ex = expansion_for(
+        parse_tree_spec("hybrid:k=1,depth=2,budget=2,ngram=2,p=0.5"), 5, [5, 6, 7, 5]
+    )
     ex.absorb(_row({6: 0.6, 2: 0.3}))
     assert ex.frontier() == [0] and ex.token(0) == 6
     ex.absorb(_row({7: 0.9}))

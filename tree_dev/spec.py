@@ -12,14 +12,16 @@
   the continuations (``depth`` tokens each, default ``budget``) of the ``matches``
   best n-gram matches (``min <= n <= max`` tokens) of the context's suffix in the
   prompt + output, at most ``budget`` draft nodes (``tree_dev.proposer.ngram_trie``).
-- ``hybrid:k=2,depth=6,budget=16[,temp=T][,ngram=N,min=,max=,matches=,ndepth=][,p=0.5]``:
+- ``hybrid:k=2,depth=6,budget=16[,temp=T][,ngram=N,min=,max=,matches=,ndepth=][,p=0.8]``:
   the draft's top-K tree (``k``, ``depth``, ``temp`` as for ``topk``) and the n-gram
   trie (``ngram`` nodes, default ``budget``; ``min``/``max``/``matches`` as for
   ``ngram``; ``ndepth`` its continuation length, default ``ngram``) merged, equal
   paths once, and ranked together by cumulative log-probability: a top-K node by
   the draft's, an n-gram edge by ``log(max(q, p))`` with ``q`` the draft's
   probability of that token where the draft saw the parent; the best ``budget``
-  kept (``tree_dev.proposer.HybridExpansion``).
+  kept (``tree_dev.proposer.HybridExpansion``). ``p=0.8``: the best of 0.5 / 0.8 / 0.95
+  by tau with the EAGLE head at budgets 8 and 16 (5.63 and 7.11 tokens per target
+  forward, against 4.41 and 5.95 for the top-K tree alone).
 
 Every policy has ``max_nodes`` (root included) and ``draft_budget`` (draft nodes,
 ``max_nodes - 1``).
@@ -117,7 +119,7 @@ class HybridPolicy:
     ngram: NgramPolicy
     budget: int
     spec: str
-    p: float = 0.5  # floor of an n-gram edge's probability
+    p: float = 0.8  # floor of an n-gram edge's probability
 
     @property
     def max_nodes(self) -> int:
@@ -173,7 +175,7 @@ def _parse_hybrid(spec: str, arg: str) -> HybridPolicy:
     missing = {"k", "depth", "budget"} - set(f)
     if missing:
         raise ValueError(f"{spec!r} is missing {sorted(missing)}")
-    temp, p = f.get("temp", 1.0), f.get("p", 0.5)
+    temp, p = f.get("temp", 1.0), f.get("p", 0.8)
     if not 0 < temp < float("inf"):
         raise ValueError(f"temp must be > 0 in {spec!r}")
     if not 0 < p <= 1:
