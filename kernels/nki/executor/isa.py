@@ -49,6 +49,9 @@ class reduce_cmd(enum.Enum):  # noqa: N801
     load_reduce = 4
 
 
+_CMD = reduce_cmd  # the enum, where a parameter named reduce_cmd shadows it
+
+
 class dge_mode(enum.Enum):  # noqa: N801
     unknown = 0
     swdge = 1
@@ -1009,7 +1012,7 @@ def tensor_scalar_reduce(
     if reverse0:
         raise rule(c, "reverse0 is not supported yet (per the NKI 0.6 reference)")
     op = _reduce_name(c, reduce_op, ("add", "multiply", "maximum", "minimum"))
-    if reduce_init is not None and reduce_cmd != globals()["reduce_cmd"].load_reduce:
+    if reduce_init is not None and reduce_cmd != _CMD.load_reduce:
         raise rule(c, "reduce_init is only for reduce_cmd=load_reduce")
     p = data.shape[0]
     with np.errstate(all="ignore"):
@@ -1045,13 +1048,13 @@ def tensor_scalar_cumulative(
     name1 = _reduce_name(c, op1, ("add", "subtract", "multiply", "maximum", "minimum"))
     p = src.shape[0]
     regs = T.ctx().vec_regs
-    if reduce_cmd == globals()["reduce_cmd"].reset_reduce:
+    if reduce_cmd == _CMD.reset_reduce:
         regs[:p] = _IDENTITY[name1]
-    elif reduce_cmd == globals()["reduce_cmd"].load_reduce:
+    elif reduce_cmd == _CMD.load_reduce:
         if imm1 is None:
             raise rule(c, "reduce_cmd=load_reduce needs imm1")
         regs[:p] = np.broadcast_to(_scalar_or_vector(c, "imm1", imm1, p), (p, 1))[:, 0]
-    elif reduce_cmd != globals()["reduce_cmd"].reduce:
+    elif reduce_cmd != _CMD.reduce:
         raise rule(c, f"reduce_cmd {reduce_cmd} unsupported")
     f0, f1 = _np_op(c, op0), _np_op(c, op1)
     a = np.broadcast_to(_scalar_or_vector(c, "imm0", imm0, p), (p, 1))[:, 0]
@@ -1089,7 +1092,7 @@ def exponential(
         y = np.exp(_flat(src, c) - _scalar_or_vector(c, "max_value", max_value, p))
     prof.vector(src.shape, 1, (src.dtype, dst.dtype))
     _write_flat(dst, y, c)
-    if reduce_cmd != globals()["reduce_cmd"].load_reduce and reduce_init not in (None, 0, 0.0):
+    if reduce_cmd != _CMD.load_reduce and reduce_init not in (None, 0, 0.0):
         raise rule(c, "reduce_init must be unset or 0.0 unless reduce_cmd=load_reduce")
     _vec_accumulate(c, p, y.astype(np.float32), "add", reduce_cmd, reduce_init, reduce_res)
 
