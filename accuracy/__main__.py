@@ -74,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--threshold", type=float, default=None, help="two-way L-inf threshold")
     h.add_argument("--multiplier", type=float, default=1.5, help="three-way ratio threshold")
     h.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of this process (HF capture, compare); 1 is fastest on the "
+        "tiny models, many small ops",
+    )
+    h.add_argument(
         "--plant-bug",
         default=None,
         metavar="MODULE=SCALE",
@@ -193,9 +200,14 @@ def _tree_vllm(args, tree_fwds) -> int:
 
 
 def _hf_vs_vllm(args) -> int:
+    import torch
+
     from .vllm_compare import hf_vs_vllm, load_prompts
 
     prompts = load_prompts(args.prompts)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     fault = None
     if args.plant_bug:
         mod, _, scale = args.plant_bug.partition("=")
