@@ -231,7 +231,7 @@ def test_vllm_eagle_draft_computes_the_project_head(vllm_eagle, models):
     torch.testing.assert_close(torch.cat(outs), g, atol=1e-4, rtol=1e-4)
     rows = [T - 1 + j for j in range(K)]  # logits of the sampled row of each forward
     got_logits = torch.cat([torch.tensor(r["logits"]) for r in logits])
-    torch.testing.assert_close(got_logits, ref_logits[rows], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(got_logits, ref_logits[rows], atol=2e-4, rtol=1e-4)
     # the drafted chain is the argmax chain of the project's head
     assert [r["input_ids"][0] for r in fwd[1:]] == ref_logits[rows[:-1]].argmax(-1).tolist()
 
