@@ -102,8 +102,18 @@ def tree_attend(
 ) -> torch.Tensor:
     """Tree attention of ``rows`` (``query [T_rows, Hq, D]``) -> ``[T_rows, Hq, D]``."""
     t0 = time.perf_counter()
-    lay = layout_for(impl, layer, kv_cache)
-    k, v = contiguous_kv(lay, kv_cache, block_table, rows.kv_lens)
+    cached = getattr(layer, "_treespec_kv", None)
+    if cached is None or cached[0] != kv_cache.data_ptr():
+        lay = layout_for(impl, layer, kv_cache)
+        cached = (kv_cache.data_ptr(), lay, lay.paged_views(kv_cache))
+        layer._treespec_kv = cached
+    _, lay, views = cached
+    if views is not None:  # read the cache in place through the block table
+        k, v = views
+        table = block_table
+    else:  # placement not affine (e.g. AMX bf16 pairs): gather the requests' blocks
+        k, v = contiguous_kv(lay, kv_cache, block_table, rows.kv_lens)
+        table = None
     q = query
     if rows.query_nodes is not None:
         full = q.new_zeros(rows.batch.total_nodes, q.shape[1], q.shape[2])
@@ -115,7 +125,7 @@ def tree_attend(
         v.to(q.dtype),
         rows.batch,
         rows.prefix_lens,
-        None,
+        table,
         scale=impl.scale,
         backend=ACTIVE.backend,
         check_inputs=False,

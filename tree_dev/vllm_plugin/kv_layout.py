@@ -29,6 +29,8 @@ class KVLayout:
         num_kv_heads, head_size: per-layer geometry.
         k_index, v_index: ``int64[block_size, num_kv_heads, head_size]`` element offsets
             within a block's flattened storage.
+        k_strides, v_strides: ``(offset, slot, head, dim)`` element strides when the
+            placement is affine (then the cache can be read in place), else None.
     """
 
     block_size: int
@@ -36,6 +38,23 @@ class KVLayout:
     head_size: int
     k_index: torch.Tensor
     v_index: torch.Tensor
+    k_strides: tuple[int, int, int, int] | None = None  # (offset, slot, head, dim) if affine
+    v_strides: tuple[int, int, int, int] | None = None
+
+    def paged_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Zero-copy ``[num_blocks, block_size, Hkv, D]`` views of K and V (the layout
+        ``kernels.tree_attention`` reads with a block table), when both placements are
+        affine (fp32 on x86: K transposed per block and head, V row-major); else None."""
+        ks, vs = self.k_strides, self.v_strides
+        if ks is None or vs is None:
+            return None
+        nb = kv_cache.shape[0]
+        block = kv_cache[0].numel()
+        shape = (nb, self.block_size, self.num_kv_heads, self.head_size)
+        off = kv_cache.storage_offset()
+        k = kv_cache.as_strided(shape, (block, *ks[1:]), off + ks[0])
+        v = kv_cache.as_strided(shape, (block, *vs[1:]), off + vs[0])
+        return k, v
 
     @staticmethod
     def discover(impl, layer, kv_cache: torch.Tensor) -> KVLayout:
@@ -86,7 +105,8 @@ class KVLayout:
             if bool((idx < 0).any()):
                 raise ValueError(f"treespec: KV cache layout loses {which.upper()} elements")
             index[which] = idx
-        return KVLayout(bs, hkv, d, index["k"].to(dev), index["v"].to(dev))
+        k_idx, v_idx = index["k"].to(dev), index["v"].to(dev)
+        return KVLayout(bs, hkv, d, k_idx, v_idx, _affine(k_idx), _affine(v_idx))
 
     def gather_blocks(
         self, kv_cache: torch.Tensor, block_ids: torch.Tensor
@@ -102,14 +122,29 @@ class KVLayout:
         self, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at flat ``slots`` (int64 ``[T]``): ``[T, Hkv, D]`` each."""
-        flat = kv_cache.view(kv_cache.shape[0], -1)
         slots = slots.to(self.k_index.device)
         blocks, offs = slots // self.block_size, slots % self.block_size
+        views = self.paged_views(kv_cache)
+        if views is not None:
+            return views[0][blocks, offs], views[1][blocks, offs]
+        flat = kv_cache.view(kv_cache.shape[0], -1)
         rows = flat.index_select(0, blocks)  # [T, E]
         k = torch.gather(rows, 1, self.k_index[offs].view(slots.numel(), -1))
         v = torch.gather(rows, 1, self.v_index[offs].view(slots.numel(), -1))
         shape = (slots.numel(), self.num_kv_heads, self.head_size)
         return k.view(shape), v.view(shape)
+
+
+def _affine(idx: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``idx[s, h, d] == base + s*ss + h*sh + d*sd`` for all entries: the strides, else None."""
+    bs, h, d = idx.shape
+    base = int(idx[0, 0, 0])
+    st = [int(idx[1, 0, 0]) - base if bs > 1 else 0]
+    st.append(int(idx[0, 1, 0]) - base if h > 1 else 0)
+    st.append(int(idx[0, 0, 1]) - base if d > 1 else 0)
+    grid = torch.meshgrid(*(torch.arange(n, device=idx.device) for n in (bs, h, d)), indexing="ij")
+    pred = base + sum(g * s for g, s in zip(grid, st))
+    return (base, *st) if torch.equal(pred, idx) else None
 
 
 def _geometry(impl, kv_cache: torch.Tensor) -> tuple[int, int, int]:
