@@ -212,7 +212,8 @@ def _capture_hooks(model: nn.Module, names: list[str], registry: TensorRegistry)
 
         def hook(_m, _inp, out, _n=name, _r=registry, _layer=is_layer):
             if _layer and _decoder_pair(out):
-                _r.register_module_tensor(_n, torch.stack(out))
+                if _r.enabled:  # the stack is already a copy: no second clone
+                    _r._module_items.append((_n, torch.stack([t.detach() for t in out])))
             elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
                 _r.register_module_tensor(_n, out[0])
             else:

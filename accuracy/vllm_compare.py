@@ -127,16 +127,6 @@ def split_by_request(fwds: list[CapturedForwardPass]) -> list[CapturedForwardPas
     return out
 
 
-def request_order(fwds: list[CapturedForwardPass]) -> list[str]:
-    """Request ids in order of first appearance (for offline ``LLM``: submission order)."""
-    seen: list[str] = []
-    for f in fwds:
-        for r in f.metadata.req_ids:
-            if r not in seen:
-                seen.append(r)
-    return seen
-
-
 # ----------------------------------------------------------------------------- HF side
 
 
