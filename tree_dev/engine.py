@@ -361,7 +361,8 @@ class Engine:
         target: a ``transformers`` causal LM (Llama-style), or a local path.
         draft: a smaller causal LM sharing the vocabulary, or a path; or None.
         eagle: an EAGLE head (``tree_dev.models.eagle.EagleHead``) instead of a draft LM.
-        tree: a tree spec (see ``tree_dev.spec``); ``"none"`` for plain decoding.
+        tree: a tree spec (see ``tree_dev.spec``); ``"none"`` for plain decoding;
+            ``ngram:`` tries need no draft (one given is not loaded into a runner).
         max_batch: most requests decoded together.
         max_model_len: longest prompt + output.
         kernel_backend: backend for ``kernels.*`` (``"auto"`` picks per device).
