@@ -805,7 +805,7 @@ def _vllm_llm(scfg, max_model_len: int, max_num_seqs: int):
     from vllm import LLM
 
     scfg = dataclasses.replace(for_vllm(scfg), max_model_len=max_model_len, max_batch=max_num_seqs)
-    return LLM(**vllm_engine_kwargs(scfg), seed=0)
+    return LLM(**vllm_engine_kwargs(scfg), seed=0, disable_log_stats=False)  # tau counters
 
 
 def _vllm_generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
