@@ -10,6 +10,7 @@ docs call an error or undefined behaviour.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -121,9 +122,13 @@ def test_accumulate_none_overwrites_fresh_psum_then_accumulates():
     a, b = rand(8, 4), rand(8, 8)
     acc = _psum()  # NaN-filled: accumulating onto it would give NaN
     nisa.nc_matmul(acc, sb(a), sb(b))
-    np.testing.assert_allclose(val(acc), a.T @ b, rtol=1e-5, atol=1e-5)
-    nisa.nc_matmul(acc, sb(a), sb(b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nisa.nc_matmul(acc, sb(a), sb(b))  # not read in between: accumulates, no warning
     np.testing.assert_allclose(val(acc), 2 * (a.T @ b), rtol=1e-5, atol=1e-5)
+    with pytest.warns(nisa.NkiAccumulationWarning, match="already read out"):
+        nisa.nc_matmul(acc, sb(a), sb(b))  # read (val) then accumulated onto: warned
+    np.testing.assert_allclose(val(acc), 3 * (a.T @ b), rtol=1e-5, atol=1e-5)
     nisa.nc_matmul(acc, sb(a), sb(b), accumulate=False)
     np.testing.assert_allclose(val(acc), a.T @ b, rtol=1e-5, atol=1e-5)
     nisa.nc_matmul(acc, sb(a), sb(b), accumulate=True)

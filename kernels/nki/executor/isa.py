@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,10 @@ from kernels.nki.executor.errors import NkiRuleError, rule
 from kernels.nki.executor.tiles import Tile
 
 NkiValidationError = NkiRuleError
+
+
+class NkiAccumulationWarning(UserWarning):
+    """A PSUM accumulation pattern that may not do on hardware what it does here."""
 
 
 class engine(enum.Enum):  # noqa: N801  (NKI spelling)
@@ -315,6 +320,14 @@ def nc_matmul(
     state = T.acc_state(dst)
     if accumulate is None:
         add = state != T.PSUM_FRESH
+        if (state == T.PSUM_READ).any():
+            warnings.warn(
+                f"{c}: accumulate=None adds onto a PSUM accumulation group whose result was "
+                "already read out; if a new group was meant, pass accumulate=False (the "
+                "compiler's inference may differ)",
+                NkiAccumulationWarning,
+                stacklevel=3,
+            )
     elif accumulate:
         if (state == T.PSUM_FRESH).any():
             raise rule(
@@ -385,7 +398,7 @@ def tensor_copy(dst: Tile, src: Tile, engine: engine = engine.unknown, name=None
         raise rule(c, "NeuronCore-v2 has no tensor_copy on the Scalar Engine (use activation)")
     prof.engine_op(eng, src.shape, 1, (src.dtype, dst.dtype))
     if dst.dtype == src.dtype:
-        T.assign(dst, src.array.reshape(dst.shape))
+        T.assign(dst, T.note_read(src).reshape(dst.shape))
     else:
         T.write(dst, T.read(src, c).reshape(dst.shape), c)
 
@@ -439,7 +452,7 @@ def tensor_copy_predicated(
             raise rule(c, "src and predicate may not both be in PSUM")
         if reverse_pred:
             raise rule(c, "reverse_pred=True needs a scalar src")
-        values = src.array.reshape(dst.shape)
+        values = T.note_read(src).reshape(dst.shape)
     else:
         values = np.full(dst.shape, src, np.float32).astype(dst.dtype)
     pred = predicate.array.reshape(dst.shape) != 0
@@ -922,7 +935,7 @@ def nc_stream_shuffle(dst: Tile, src: Tile, shuffle_mask, name=None) -> None:
                 f"{n} starts at partition {_start_partition(t)}; with {active} active "
                 f"partitions it must start at one of {allowed}",
             )
-    x = src.array.reshape(src.shape[0], -1).copy()
+    x = T.note_read(src).reshape(src.shape[0], -1).copy()
     out = dst.array.reshape(dst.shape[0], -1).copy()
     for i in range(dst.shape[0]):
         m = mask[i % 32]

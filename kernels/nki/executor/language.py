@@ -378,7 +378,7 @@ def store(dst: Tile, value, mask=None) -> None:
             raise rule("store", f"value shape {value.shape} != dst shape {dst.shape}")
         prof.dma(value.buffer, dst.buffer, dst.array.nbytes)
         if value.dtype == dst.dtype:
-            T.assign(dst, value.array)
+            T.assign(dst, T.note_read(value))
         else:
             T.write(dst, T.read(value, "store"), "store")
     else:

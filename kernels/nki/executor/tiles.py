@@ -98,7 +98,7 @@ SBUF_PARTITION_BYTES_BY_VERSION = {2: 192 * 1024, 3: 224 * 1024, 4: 224 * 1024}
 SBUF_PARTITION_BYTES = SBUF_PARTITION_BYTES_BY_VERSION[3]
 
 # PSUM accumulation state of every byte (see nisa.nc_matmul's ``accumulate``)
-PSUM_FRESH, PSUM_MATMUL, PSUM_OTHER = 0, 1, 2
+PSUM_FRESH, PSUM_MATMUL, PSUM_OTHER, PSUM_READ = 0, 1, 2, 3  # READ: matmul-written, then read
 
 _TARGETS = {"trn1": 2, "inf2": 2, "gen2": 2, "trn2": 3, "gen3": 3, "trn3": 4, "gen4": 4}
 
@@ -806,10 +806,21 @@ def _packed(call: str, t: Tile) -> None:
     )
 
 
+def note_read(t: Tile) -> np.ndarray:
+    """``t``'s raw array; reading matmul results out of PSUM is remembered (an
+    accumulation group that was read and is then accumulated onto with
+    ``accumulate=None`` draws a warning in ``nc_matmul``)."""
+    if t._storage.acc is not None:
+        state = acc_bytes(t)
+        state[state == PSUM_MATMUL] = PSUM_READ
+    return t.array
+
+
 def read(t: Tile, call: str = "read") -> np.ndarray:
     """The tile's values as float32 (how the engines compute)."""
     if t.dtype in PACKED:
         _packed(call, t)
+    note_read(t)
     if t.dtype == tfloat32:
         return t.array.view(np.float32).astype(np.float32)
     return t.array.astype(np.float32)
