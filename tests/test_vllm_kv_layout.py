@@ -43,6 +43,12 @@ def test_layout_round_trip(dtype, block_size, hkv, d):
     impl.do_kv_cache_update(layer, k, v, cache, slots)
     k2, v2 = lay.gather_slots(cache, slots)
     assert torch.equal(k2, k) and torch.equal(v2, v)  # integer-exact: a pure data move
+    views = lay.paged_views(cache)
+    if dtype == torch.float32:  # fp32 on x86 is affine: read in place, no copy
+        assert views is not None and views[0].data_ptr() >= cache.data_ptr()
+    if views is not None:
+        blocks, offs = slots // block_size, slots % block_size
+        assert torch.equal(views[0][blocks, offs], k) and torch.equal(views[1][blocks, offs], v)
     # whole blocks through a block table, token-major
     table = torch.tensor([[3, 1], [0, 4]])
     kc, vc = contiguous_kv(lay, cache, table, [block_size + 3, 7])
