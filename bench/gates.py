@@ -93,6 +93,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "propose": {
         "topk": str,
         "fallback": str,
+        "vllm_fallback": str,
         "prompts": int,
         "prompt_tokens": int,
         "max_tokens": int,
@@ -891,7 +892,7 @@ def stage_propose_vllm(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], 
     from bench.e2e import held_out_prompts
     from tree_dev.server.config import vllm_plugin_available
 
-    topk, chain, budget = propose_specs(ctx.tree, cfg["topk"], cfg["fallback"])
+    topk, chain, budget = propose_specs(ctx.tree, cfg["topk"], cfg["vllm_fallback"])
     if not vllm_plugin_available():
         raise RuntimeError("the vLLM tree plugin (tree_dev.vllm_plugin) is not installed")
     scfg = ctx.serve_cfg

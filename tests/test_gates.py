@@ -87,6 +87,7 @@ min_identical = 1.0
 [propose]
 topk = ""
 fallback = "topk:k=2,depth=3,budget=6"
+vllm_fallback = "topk:k=2,depth=3,budget=6"
 prompts = 8
 prompt_tokens = 32
 max_tokens = 20
