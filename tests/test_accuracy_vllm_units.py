@@ -175,3 +175,18 @@ def test_register_is_idempotent_and_inert_without_config(monkeypatch):
     r = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"treespec": {"tree": 1}}))
     in_vllm._init_runner(r)
     assert not hasattr(r, in_vllm._STATE_ATTR) and not hasattr(r, "load_model")
+
+
+def test_hf_vs_vllm_rejects_bad_input_before_starting_vllm(tmp_path, capsys):
+    from accuracy.__main__ import main
+
+    bad = tmp_path / "p.json"
+    bad.write_text('{"not": "a list"}')
+    args = ["hf-vs-vllm", "--model", str(tmp_path), "--prompts", str(bad)]
+    assert main(args + ["--max-tokens", "4", "--out", str(tmp_path / "o")]) == 2
+    assert "--prompts" in capsys.readouterr().err
+    bad.write_text('["ok"]')
+    assert main(args + ["--max-tokens", "4", "--out", str(tmp_path / "o")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(args + ["--max-tokens", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--max-tokens must be >= 1" in capsys.readouterr().err
