@@ -16,10 +16,10 @@ import torch  # noqa: E402
 from scipy.stats import chisquare  # noqa: E402
 from vllm_engines import (  # noqa: E402
     DRAFT,
+    PROMPTS,
     TARGET,
     assert_lossless,
     generate,
-    held_out_prompts,
     make_llm,
     plain_outputs,
     shutdown,
@@ -28,7 +28,6 @@ from vllm_engines import (  # noqa: E402
 )
 
 TREE = "topk:k=2,depth=4,budget=8"
-PROMPTS = held_out_prompts(50, seed=1)
 
 
 @pytest.fixture(scope="module")

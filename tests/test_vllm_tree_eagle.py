@@ -7,15 +7,13 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
 
 from vllm_engines import (  # noqa: E402
+    PROMPTS,
     assert_lossless,
-    held_out_prompts,
     make_llm,
     plain_outputs,
     shutdown,
     tree_stats,
 )
-
-PROMPTS = held_out_prompts(50, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
 
 from vllm_engines import (  # noqa: E402
+    PROMPTS,
     assert_lossless,
     held_out_prompts,
     make_llm,
@@ -20,7 +21,6 @@ from vllm_engines import (  # noqa: E402
     tree_stats,
 )
 
-PROMPTS = held_out_prompts(50, seed=2)
 FALLBACK = held_out_prompts(6, seed=7)
 
 

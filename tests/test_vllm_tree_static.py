@@ -12,6 +12,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup install
 
 from vllm_engines import (  # noqa: E402
     DRAFT,
+    PROMPTS,
     assert_lossless,
     held_out_prompts,
     make_llm,
@@ -20,7 +21,6 @@ from vllm_engines import (  # noqa: E402
     tree_stats,
 )
 
-PROMPTS = held_out_prompts(50, seed=4)
 # 25 long prompts, then each one's first 130 tokens with a new ending: the second half's
 # first KV block (128 tokens) comes from vLLM's prefix cache
 LONG = held_out_prompts(25, seed=6, lo=140, hi=180)

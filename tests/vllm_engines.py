@@ -97,23 +97,30 @@ def tree_stats(llm) -> dict:
     return llm.collective_rpc("treespec_tree_stats")[0]
 
 
-_PLAIN: dict[tuple, list[list[int]]] = {}
+_PLAIN: dict[tuple, list[int]] = {}
 
 
 def plain_outputs(
     prompts: list[list[int]], enforce_eager: bool = True, params: list | None = None
 ) -> list[list[int]]:
     """vLLM's own plain outputs for ``prompts`` (greedy ``greedy_params`` unless ``params``
-    is given, one per prompt), computed once per session."""
+    is given, one per prompt). Cached per (prompt, params) for the session: modules that
+    share prompts share one plain engine run."""
     params = params if params is not None else greedy_params(len(prompts))
-    key = (enforce_eager, tuple(tuple(p) for p in prompts), tuple(repr(x) for x in params))
-    if key not in _PLAIN:
+    keys = [(enforce_eager, tuple(p), repr(x)) for p, x in zip(prompts, params)]
+    todo = [i for i, k in enumerate(keys) if k not in _PLAIN]
+    if todo:
         llm = make_llm(enforce_eager=enforce_eager, max_num_seqs=8)
         try:
-            _PLAIN[key] = generate(llm, prompts, params)
+            outs = generate(llm, [prompts[i] for i in todo], [params[i] for i in todo])
         finally:
             shutdown(llm)
-    return _PLAIN[key]
+        for i, out in zip(todo, outs):
+            _PLAIN[keys[i]] = out
+    return [_PLAIN[k] for k in keys]
+
+
+PROMPTS = held_out_prompts(50, seed=1)  # the prompts every plugin module decodes
 
 
 def assert_lossless(llm, prompts: list[list[int]], reference: list[list[int]], batch1: bool):
