@@ -2,7 +2,8 @@
 
 On held-out standard-library prompts (the committed tiny models, fp32), greedy, at batch 1
 and at 4 concurrent requests, each configuration at ``tensor_parallel_size`` 1 and 2 (TP=2:
-one core per rank, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``):
+one core per rank, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``; TP=1 gets the same two cores,
+``"0-1"``):
 
 - vLLM plain decoding and vLLM's own ``ngram`` chain (what a user would pick instead);
 - the plugin's draft-LM top-K tree and n-gram trie.
@@ -34,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CK = ROOT / "checkpoints" / "stdlib-v1"
 SCENARIOS = (("batch1", 1), ("conc4", 4))
 TPS = (1, 2)
+# the same two cores either way: TP=1 runs 2 OpenMP threads, TP=2 one per rank
+BIND = {1: "0-1", 2: "0|1"}
 
 
 def configs() -> list[dict]:
@@ -80,7 +83,7 @@ def run_engine(cfg: dict, tp: int, prompts: list[list[int]], max_tokens: int, ea
         kw["speculative_config"] = dict(cfg["spec"])
     if cfg["tree"] is not None:
         kw["additional_config"] = {"treespec": {"tree": cfg["tree"]}}
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = BIND[tp]
     t0 = time.perf_counter()
     try:
         llm = LLM(
@@ -211,6 +214,7 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": max_tokens,
         "enforce_eager": eager,
+        "omp_threads_bind": BIND,
         "results": results,
     }
     atomic_write_json(out, doc)
