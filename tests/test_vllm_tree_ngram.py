@@ -12,31 +12,15 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
 
 from vllm_engines import (  # noqa: E402
+    FALLBACK,
     PROMPTS,
     assert_lossless,
-    held_out_prompts,
+    fallback_params,
     make_llm,
     plain_outputs,
     shutdown,
     tree_stats,
 )
-
-FALLBACK = held_out_prompts(6, seed=7)
-
-
-def fallback_params():
-    """Sampling features that assume chains: these requests are decoded plainly."""
-    from vllm import SamplingParams
-
-    kw = [
-        {"repetition_penalty": 1.3},
-        {"presence_penalty": 0.8},
-        {"frequency_penalty": 0.5},
-        {"logprobs": 2},
-        {"min_tokens": 30},
-        {"bad_words": ["def"]},
-    ]
-    return [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **k) for k in kw]
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,14 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup install
 from vllm_engines import (  # noqa: E402
     DRAFT,
     PROMPTS,
+    SHARED,
     assert_lossless,
-    held_out_prompts,
     make_llm,
     plain_outputs,
     shutdown,
     tree_stats,
 )
 
-# 25 long prompts, then each one's first 130 tokens with a new ending: the second half's
-# first KV block (128 tokens) comes from vLLM's prefix cache
-LONG = held_out_prompts(25, seed=6, lo=140, hi=180)
-SHARED = LONG + [p[:130] + q[:12] for p, q in zip(LONG, PROMPTS)]
 PATHS = "paths:[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
 
 

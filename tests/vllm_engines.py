@@ -108,19 +108,52 @@ def plain_outputs(
     share prompts share one plain engine run."""
     params = params if params is not None else greedy_params(len(prompts))
     keys = [(enforce_eager, tuple(p), repr(x)) for p, x in zip(prompts, params)]
-    todo = [i for i, k in enumerate(keys) if k not in _PLAIN]
-    if todo:
+    if any(k not in _PLAIN for k in keys):
+        # one plain engine run for these and every module's standard requests
+        reqs = list(zip(prompts, params)) + [r for r in STANDARD() if enforce_eager]
+        todo = {}
+        for p, x in reqs:
+            key = (enforce_eager, tuple(p), repr(x))
+            if key not in _PLAIN:
+                todo[key] = (p, x)
         llm = make_llm(enforce_eager=enforce_eager, max_num_seqs=8)
         try:
-            outs = generate(llm, [prompts[i] for i in todo], [params[i] for i in todo])
+            outs = generate(llm, [p for p, _ in todo.values()], [x for _, x in todo.values()])
         finally:
             shutdown(llm)
-        for i, out in zip(todo, outs):
-            _PLAIN[keys[i]] = out
+        _PLAIN.update(zip(todo, outs))
     return [_PLAIN[k] for k in keys]
 
 
 PROMPTS = held_out_prompts(50, seed=1)  # the prompts every plugin module decodes
+FALLBACK = held_out_prompts(6, seed=7)  # requests with chain-only sampling features
+# 25 long prompts, then each one's first 130 tokens with a new ending: the second half's
+# first KV block (128 tokens) comes from vLLM's prefix cache
+_LONG = held_out_prompts(25, seed=6, lo=140, hi=180)
+SHARED = _LONG + [p[:130] + q[:12] for p, q in zip(_LONG, PROMPTS)]
+
+
+def fallback_params():
+    """Sampling features that assume chains: tree engines decode these requests plainly."""
+    from vllm import SamplingParams
+
+    kw = [
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.8},
+        {"frequency_penalty": 0.5},
+        {"logprobs": 2},
+        {"min_tokens": 30},
+        {"bad_words": ["def"]},
+    ]
+    return [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, **k) for k in kw]
+
+
+def STANDARD() -> list[tuple[list[int], object]]:  # noqa: N802
+    """Every eager module's plain requests, computed in one plain engine run."""
+    reqs = list(zip(PROMPTS, greedy_params(len(PROMPTS))))
+    reqs += list(zip(FALLBACK, fallback_params()))
+    reqs += list(zip(SHARED, greedy_params(len(SHARED))))
+    return reqs
 
 
 def assert_lossless(llm, prompts: list[list[int]], reference: list[list[int]], batch1: bool):
