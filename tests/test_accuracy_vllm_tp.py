@@ -114,23 +114,38 @@ def test_tp2_writes_rank0_and_rank1_files_per_module(caps):
             assert files == ["rank0.safetensors", "rank1.safetensors"], (fwd.dir_name, name)
 
 
+def _by_request(fwds: list) -> dict[tuple[str, str, int], object]:
+    """Per-request passes keyed by (request number, phase, k-th pass of that phase): the
+    two engines batch the prompts differently, each request's passes are the same."""
+    from accuracy.vllm_compare import split_by_request
+
+    out, seen = {}, {}
+    for f in split_by_request(fwds):
+        rid = f.metadata.req_ids[0].split("-")[0]  # vLLM's "{counter}-{random}"
+        k = seen.get((rid, f.phase), 0)
+        seen[(rid, f.phase)] = k + 1
+        out[(rid, f.phase, k)] = f
+    return out
+
+
 def test_reconstructed_tp2_equals_tp1_capture(caps):
-    f1, f2 = caps[1][1], caps[2][1]
-    assert [f.dir_name for f in f1] == [f.dir_name for f in f2]
-    checked = 0
-    for a, b in zip(f1, f2):
+    """Measured here: qkv_proj and attn exact, gate_up_proj 2.4e-6, all-reduced 2.7e-5."""
+    f1, f2 = _by_request(caps[1][1]), _by_request(caps[2][1])
+    assert set(f1) == set(f2)
+    assert len(f1) == len(PROMPTS) * (1 + STEPS - 1)  # prefill + (STEPS - 1) decodes each
+    for key in sorted(f1):
+        a, b = f1[key], f2[key]
         for name, kind in SHARDING.items():
             ref = a.rank_tensors(name)[0]
             ranks = b.rank_tensors(name)
+            assert len(ranks) == 2, (key, name)
             if kind == "reduced":
                 torch.testing.assert_close(ranks[1], ranks[0], rtol=1e-5, atol=1e-5)
             else:
                 assert ranks[0].shape[-1] * 2 == ref.shape[-1], (name, ranks[0].shape, ref.shape)
             got = rebuild(kind, ranks)
-            assert got.shape == ref.shape, (b.dir_name, name, got.shape, ref.shape)
-            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=f"{b.dir_name} {name}")
-            checked += 1
-    assert checked >= len(SHARDING) * 2
+            assert got.shape == ref.shape, (key, name, got.shape, ref.shape)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=f"{key} {name}")
 
 
 @pytest.mark.xfail(
