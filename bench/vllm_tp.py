@@ -195,7 +195,12 @@ def main() -> None:
     eager = args.eager or args.quick
     prompts = held_out(n, args.prompt_tokens)
     grid = [(c, tp) for c in configs() for tp in TPS]
-    results = [run_engine(c, tp, prompts, max_tokens, eager) for c, tp in tqdm(grid, "engines")]
+    out = Path(args.out)
+    results = []
+    for c, tp in tqdm(grid, "engines"):
+        results.append(run_engine(c, tp, prompts, max_tokens, eager))
+        # engines are slow on a shared machine: what is measured so far is kept
+        atomic_write_json(out.with_suffix(".partial.json"), {"results": results})
     plain = {r["tp"]: r for r in results if r["name"] == "vllm plain"}
     for r in results:
         for label, row in r["scenarios"].items():
@@ -208,7 +213,6 @@ def main() -> None:
                 f"plugin {row.get('plugin_ms_per_step', float('nan')):.2f} ms/step, "
                 f"= TP1 plain: {row['equals_plain_tp1']}"
             )
-    out = Path(args.out)
     doc = {
         "prompts": n,
         "prompt_tokens": args.prompt_tokens,
