@@ -199,6 +199,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--only", default=None, help="comma-separated substrings: run the matching engines only"
+    )
     ap.add_argument("--out", default=str(ROOT / "results" / "vllm_e2e.json"))
     args = ap.parse_args()
     from tqdm import tqdm
@@ -209,6 +212,9 @@ def main() -> None:
     n = args.prompts or (4 if args.quick else 8)
     prompts = held_out(n, args.prompt_tokens)
     grid = configs(args.quick, str(export_eagle_for_vllm()))
+    if args.only:
+        keep = [w.strip() for w in args.only.split(",")]
+        grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
     results = []
     for cfg in tqdm(grid, desc="engines"):
         results.append(run_engine(cfg, prompts, args.max_tokens))
@@ -217,9 +223,13 @@ def main() -> None:
         for r in results:
             r["scenarios"][s]["ratio_to_vllm_plain"] = r["scenarios"][s]["tokens_per_s"] / base
     summary = {}
+    trees = [r for r in results if r["name"].startswith("tree")]
+    builtins = [r for r in results[1:] if not r["name"].startswith("tree")]
     for s in results[0]["scenarios"]:
-        best = max(results[4:], key=lambda r: r["scenarios"][s]["tokens_per_s"])
-        builtin = max(results[1:4], key=lambda r: r["scenarios"][s]["tokens_per_s"])
+        if not trees or not builtins:
+            break
+        best = max(trees, key=lambda r: r["scenarios"][s]["tokens_per_s"])
+        builtin = max(builtins, key=lambda r: r["scenarios"][s]["tokens_per_s"])
         summary[s] = {
             "best_tree": best["name"],
             "best_tree_ratio": best["scenarios"][s]["ratio_to_vllm_plain"],
