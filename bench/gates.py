@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import operator
 import os
@@ -945,6 +946,9 @@ def stage_serve_vllm(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], di
     if scfg.drafter in ("eagle", "draft"):
         flag = "--eagle-head" if scfg.drafter == "eagle" else "--draft-model"
         tree_argv += [flag, str(scfg.drafter_path)]
+    elif scfg.drafter == "ngram" and not scfg.tree.startswith("ngram:"):  # vLLM's n-gram chain
+        sc = {"method": "ngram", "num_speculative_tokens": serve_config.draft_budget(scfg.tree)}
+        tree_argv = ["--speculative-config", json.dumps({**sc, **scfg.speculative_extra})]
     ctx.log_dir.mkdir(parents=True, exist_ok=True)
     servers: dict[str, ServerProcess] = {}
     detail: dict[str, Any] = {"engine": "vllm", "tree": scfg.tree, "drafter": scfg.drafter}
