@@ -179,6 +179,7 @@ class TreeRunner:
         specs = scheduler_output.scheduled_spec_decode_tokens
         self.verify = None
         attention.ACTIVE.verify = None
+        r.treespec_tree_batch = None  # read by the accuracy tooling's capture
         self.accepted = {}
         n = batch.num_reqs
         self.step = (
@@ -228,6 +229,12 @@ class TreeRunner:
             )
             r.positions[rows] = (plen + depth).to(r.positions.dtype)
         self.verify = _Verify(idx, rids, prefix, trees, toks)
+        r.treespec_tree_batch = {
+            "req_ids": list(rids),
+            "parents": [t.parents.tolist() for t in trees],
+            "tokens": [list(t) for t in toks],
+            "prefix_lens": list(prefix),
+        }
         if self.cfg.debug_disable == "mask":
             return  # vLLM's causal attention over the tree rows: the planted bug
         batch_trees = attention.tree_batch(tuple(trees))
