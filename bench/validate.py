@@ -70,6 +70,7 @@ from accuracy.compare import normalize_name
 from accuracy.plots import save_figure
 from bench.common import perturbed, tiny_llama
 from tree_dev.engine import Engine, SamplingParams
+from tree_dev.hf_compat import cache_kwargs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_TREE = "topk:k=4,depth=5,budget=32"
@@ -251,7 +252,7 @@ def dense_tree_decode(model, cap: ModelCapture, rec: RequestStep, step: int, ind
     plen = rec.prefix_len
     if plen:
         ids = torch.tensor([rec.context[:plen]], device=dev)
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **cache_kwargs(cache))
     positions = tree_positions(rec)
     kids: dict[int, list[int]] = {}
     for c, p in enumerate(rec.parents):
@@ -266,8 +267,8 @@ def dense_tree_decode(model, cap: ModelCapture, rec: RequestStep, step: int, ind
         model(
             input_ids=torch.tensor([[rec.tokens[n]]], device=dev),
             position_ids=torch.tensor([[pos]], device=dev),
-            cache=cache,
             use_cache=True,
+            **cache_kwargs(cache),
         )
         cap.save_tensor_captures(
             [pos],

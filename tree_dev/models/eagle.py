@@ -49,6 +49,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
+from tree_dev.hf_compat import cache_kwargs
+
 FEATURE = "target.model(...).last_hidden_state (after the target's final norm)"
 
 
@@ -134,8 +136,8 @@ class EagleHead(nn.Module):
         out = self.decoder(
             inputs_embeds=z,
             position_ids=position_ids,
-            cache=past_key_values,
             attention_mask=attention_mask,
+            **cache_kwargs(past_key_values),
             use_cache=use_cache,
             **kwargs,
         )
