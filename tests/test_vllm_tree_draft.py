@@ -31,7 +31,14 @@ TREE = "topk:k=2,depth=4,budget=8"
 
 
 @pytest.fixture(scope="module")
-def llm():
+def reference():
+    return plain_outputs(PROMPTS, enforce_eager=False)
+
+
+@pytest.fixture(scope="module")
+def llm(reference):
+    # after the plain engine: vLLM keeps its metrics in one registry per process, and a
+    # new engine replaces the earlier one's
     engine = make_llm(
         enforce_eager=False,
         max_num_seqs=8,
@@ -41,11 +48,6 @@ def llm():
     )
     yield engine
     shutdown(engine)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return plain_outputs(PROMPTS, enforce_eager=False)
 
 
 def test_lossless_at_batch_1(llm, reference):
