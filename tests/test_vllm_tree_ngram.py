@@ -24,7 +24,15 @@ from vllm_engines import (  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def llm():
+def reference():
+    from vllm_engines import greedy_params
+
+    both = plain_outputs(PROMPTS + FALLBACK, params=greedy_params(len(PROMPTS)) + fallback_params())
+    return both[: len(PROMPTS)], both[len(PROMPTS) :]
+
+
+@pytest.fixture(scope="module")
+def llm(reference):  # after the plain engine, whose metrics would replace these
     engine = make_llm(
         max_num_seqs=8,
         max_num_batched_tokens=128,
@@ -35,14 +43,6 @@ def llm():
     )
     yield engine
     shutdown(engine)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    from vllm_engines import greedy_params
-
-    both = plain_outputs(PROMPTS + FALLBACK, params=greedy_params(len(PROMPTS)) + fallback_params())
-    return both[: len(PROMPTS)], both[len(PROMPTS) :]
 
 
 def test_lossless_at_batch_1(llm, reference):
@@ -62,6 +62,8 @@ def test_chain_only_features_fall_back_to_exact_plain_decoding(llm, reference):
     assert tree_stats(llm)["fallback_requests"] > before
 
 
-def test_trie_drafts_are_accepted(llm):
+def test_trie_drafts_are_accepted_and_requests_were_preempted(llm):
     stats = tree_stats(llm)
     assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 1.2
+    preempted = [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
+    assert preempted and preempted[0] > 0  # the small KV cache did force preemption
