@@ -108,10 +108,11 @@ def tree_attend(
         cached = (kv_cache.data_ptr(), lay, lay.paged_views(kv_cache))
         layer._treespec_kv = cached
     _, lay, views = cached
-    if views is not None:  # read the cache in place through the block table
+    if views is not None and len(rows.kv_lens) == 1:  # in place, through the block table
         k, v = views
         table = block_table
-    else:  # placement not affine (e.g. AMX bf16 pairs): gather the requests' blocks
+    else:  # several requests (their blocks scattered), or a placement that is not affine
+        # (e.g. AMX bf16 pairs): gather each request's blocks into one contiguous tensor
         k, v = contiguous_kv(lay, kv_cache, block_table, rows.kv_lens)
         table = None
     q = query
