@@ -10,22 +10,33 @@ Layout (one capture directory, as written by :class:`accuracy.CaptureWriter`)::
           prefill_s128_0_meta.json          written last: its presence marks completion
         decode_b1_0/ ...
 
+Tensor-parallel ranks write the same pass directory: each rank its ``rank{r}`` files,
+then (under an ``flock`` of the directory) its shapes merged into the metadata, so
+``shapes[name]`` lists every rank that completed the pass and :func:`read` checks each
+listed rank's file and shape.
+
 Reading never unpickles: safetensors, or legacy ``rank{r}.pt`` via
 ``torch.load(weights_only=True)``. Every malformed input raises ``ValueError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: one writer per pass directory
+    fcntl = None
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -301,11 +312,6 @@ def write(
             for rank, tensor in ranks.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise ValueError(f"capture '{name}' rank {rank}: not a tensor")
-                save_tensor_file(
-                    os.path.join(fdir, name, f"rank{int(rank)}.safetensors"),
-                    tensor,
-                    {"name": name, "rank": str(int(rank))},
-                )
         meta = fwd.metadata.to_dict()
         if not meta["modules"]:
             meta["modules"] = names
@@ -315,9 +321,66 @@ def write(
             n: {str(r): [list(t.shape), str(t.dtype).replace("torch.", "")] for r, t in rk.items()}
             for n, rk in fwd.tensors.items()
         }
-        atomic_write_json(os.path.join(fdir, f"{fwd.dir_name}_meta.json"), meta)
+        path = os.path.join(fdir, f"{fwd.dir_name}_meta.json")
+        if os.path.isfile(path):  # another TP rank's pass: refuse a mismatch before writing
+            _merge_rank_meta(_read_meta(fdir, fwd.dir_name), meta, path)
+        for name, ranks in fwd.tensors.items():
+            for rank, tensor in ranks.items():
+                save_tensor_file(
+                    os.path.join(fdir, name, f"rank{int(rank)}.safetensors"),
+                    tensor,
+                    {"name": name, "rank": str(int(rank))},
+                )
+        os.makedirs(fdir, exist_ok=True)
+        with _dir_lock(fdir):  # TP ranks write the same pass: merge, never overwrite
+            if os.path.isfile(path):  # another rank's metadata is merged; this rank's replaced
+                meta = _merge_rank_meta(_read_meta(fdir, fwd.dir_name), meta, path)
+            atomic_write_json(path, meta)
     if manifest is not None:
         atomic_write_json(os.path.join(capture_dir, MANIFEST_NAME), manifest)
+
+
+@contextlib.contextmanager
+def _dir_lock(path: str) -> Iterator[None]:
+    """Exclusive ``flock`` on the directory ``path`` (no lock file left behind): the
+    tensor-parallel ranks of one process group write the same pass's metadata."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _merge_rank_meta(old: dict[str, Any], new: dict[str, Any], where: str) -> dict[str, Any]:
+    """Metadata of a pass another TP rank already wrote, with ``new``'s ranks added.
+
+    ``shapes`` becomes the union ``{name: {rank: [shape, dtype]}}`` over ranks; module
+    order is the first writer's, then new names. Every rank runs the same scheduler step,
+    so positions and request ids must agree; a mismatch (a stale directory of another
+    run) raises ValueError naming the field. When ``old`` already holds one of ``new``'s
+    ranks (the same rank writing the pass again) ``new`` replaces it, as without TP.
+    """
+    mine = {r for ranks in new["shapes"].values() for r in ranks}
+    if any(mine & set(r) for r in (old.get("shapes") or {}).values()):
+        return new
+    for key in ("req_ids", "positions", "dp_rank"):
+        if old.get(key) != new.get(key):
+            raise ValueError(
+                f"{where}: another rank wrote {key}={old.get(key)!r}, this rank "
+                f"{new.get(key)!r} (a stale capture directory?)"
+            )
+    out = dict(new)
+    shapes = {n: dict(r) for n, r in (old.get("shapes") or {}).items()}
+    for n, ranks in new["shapes"].items():
+        shapes.setdefault(n, {}).update(ranks)
+    out["shapes"] = {
+        n: dict(sorted(r.items(), key=lambda kv: int(kv[0]))) for n, r in shapes.items()
+    }
+    mods = list(old.get("modules") or [])
+    out["modules"] = mods + [m for m in new.get("modules") or [] if m not in mods]
+    return out
 
 
 # ----------------------------------------------------------------------------- reading
@@ -426,9 +489,25 @@ def read(capture_dir: str, load_tensors: bool = True) -> list[CapturedForwardPas
             missing = [m for m in meta.modules if m not in fwd.tensors]
             if missing:
                 raise ValueError(f"{fdir}: metadata lists modules with no tensor files: {missing}")
+            _check_rank_shapes(fdir, meta.shapes, fwd.tensors)
         passes.append((dp, meta.seq, fwd.counter, fwd))
     passes.sort(key=lambda x: (x[0], x[1], x[2]))
     return [p[-1] for p in passes]
+
+
+def _check_rank_shapes(
+    fdir: str, shapes: dict[str, Any], tensors: dict[str, dict[int, torch.Tensor]]
+) -> None:
+    """Every rank the metadata lists has its file, of the recorded shape (ValueError)."""
+    for name, ranks in (shapes or {}).items():
+        for r, rec in ranks.items():
+            t = tensors.get(name, {}).get(int(r))
+            if t is None:
+                raise ValueError(f"{fdir}: metadata lists '{name}' rank {r} but it has no file")
+            if isinstance(rec, list) and rec and list(t.shape) != list(rec[0]):
+                raise ValueError(
+                    f"{fdir}: '{name}' rank {r} has shape {list(t.shape)}, metadata {rec[0]}"
+                )
 
 
 def read_manifest(capture_dir: str) -> dict[str, Any] | None:
