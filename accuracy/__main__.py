@@ -71,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     h.add_argument("--modules", nargs="+", default=None, help="capture patterns (default: all)")
     h.add_argument("--eager", action="store_true", help="enforce_eager (skip torch.compile)")
+    h.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM tensor-parallel ranks (captures merged per rank; on CPU "
+        "VLLM_CPU_OMP_THREADS_BIND defaults to one core group per rank)",
+    )
     h.add_argument("--threshold", type=float, default=None, help="two-way L-inf threshold")
     h.add_argument("--multiplier", type=float, default=1.5, help="three-way ratio threshold")
     h.add_argument(
@@ -226,6 +233,7 @@ def _hf_vs_vllm(args) -> int:
         fault=fault,
         threshold=args.threshold,
         multiplier=args.multiplier,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     for label, first in (("two-way", res.first_two_way), ("three-way", res.first_three_way)):
         if first:

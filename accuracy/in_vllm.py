@@ -423,12 +423,15 @@ def _setup(runner) -> None:
             )
             if st.lm_head and "lm_head" in names:
                 names.remove("lm_head")  # never called: logits come from compute_logits
+            layout = tp_layout(model, names)
+            if st.lm_head:  # compute_logits all-gathers the vocabulary shards
+                layout["lm_head"] = {"kind": "replicated"}
             st.target = ModelCapture(
                 model,
                 [],
                 cap["capture_dir"],
                 strict=False,
-                config=_manifest_cfg(runner, cap),
+                config=_manifest_cfg(runner, cap, layout),
                 **common,
             )
             st.target._capture_names = names + (["lm_head"] if st.lm_head else [])
@@ -448,7 +451,7 @@ def _setup(runner) -> None:
                 cap["capture_dir"],
                 subdirectory="draft",
                 strict=False,
-                config=_manifest_cfg(runner, cap),
+                config=_manifest_cfg(runner, cap, tp_layout(dmodel, dnames)),
                 **common,
             )
             st.draft._capture_names = dnames
@@ -458,15 +461,64 @@ def _setup(runner) -> None:
         TensorRegistry._instance = st.target.registry
 
 
-def _manifest_cfg(runner, cap: dict[str, Any]) -> dict[str, Any]:
+def _manifest_cfg(runner, cap: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
     mc = runner.model_config
     return {
         "engine": "vllm",
         "model": str(mc.model),
         "dtype": str(mc.dtype).replace("torch.", ""),
         "enforce_eager": bool(mc.enforce_eager),
+        "tensor_parallel_size": int(runner.vllm_config.parallel_config.tensor_parallel_size),
+        "tp_layout": layout,
         "requested": {k: v for k, v in cap.items() if k != "capture_dir"},
     }
+
+
+def tp_layout(model: nn.Module, names: list[str]) -> dict[str, dict[str, Any]]:
+    """How each captured module's output ``[T, F_r]`` is split over the TP ranks.
+
+    Read from vLLM's layer objects (``accuracy.vllm_compare.merge_tp_ranks`` undoes it):
+
+    - ``{"kind": "column", "parts": [F_1, ...], "replicas": [1, ...]}``: each rank holds
+      its shard of every logical part (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up;
+      ``output_partition_sizes`` of a ``ColumnParallelLinear`` without ``gather_output``);
+      ``replicas[i] > 1`` when ranks hold copies of part ``i`` (KV heads replicated when
+      ``tp_size > num_kv_heads``). ``parts`` is None for one block: the ``Attention``
+      output (its heads), activations and rotary embeddings (inputs column-parallel in
+      vLLM's models).
+    - ``{"kind": "partial_sum"}``: a ``RowParallelLinear`` with ``reduce_results=False``.
+    - ``{"kind": "replicated"}``: everything else, all-reduced or computed on replicated
+      inputs (row-parallel linears, the embedding, norms, decoder layers, ``self_attn``,
+      ``mlp``): every rank holds the full tensor.
+    """
+    from vllm.model_executor.layers import activation
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    mods = dict(model.named_modules())
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        m = mods[name]
+        kind: dict[str, Any] = {"kind": "replicated"}
+        if isinstance(m, ColumnParallelLinear) and m.tp_size > 1 and not m.gather_output:
+            parts = [int(p) for p in m.output_partition_sizes]
+            reps = [1] * len(parts)
+            if isinstance(m, QKVParallelLinear) and len(parts) == 3:
+                reps = [1, int(m.num_kv_head_replicas), int(m.num_kv_head_replicas)]
+            kind = {"kind": "column", "parts": parts, "replicas": reps}
+        elif isinstance(m, RowParallelLinear) and m.tp_size > 1 and not m.reduce_results:
+            kind = {"kind": "partial_sum"}
+        elif isinstance(m, (Attention, RotaryEmbeddingBase)) or (
+            type(m).__module__ == activation.__name__
+        ):
+            kind = {"kind": "column", "parts": None, "replicas": None}
+        out[name] = kind
+    return out
 
 
 def _draft_bracket(runner, dmodel: nn.Module) -> list[Any]:

@@ -14,6 +14,7 @@ Imports neither vLLM nor anything else of this project; vLLM is only started by
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -35,14 +36,78 @@ from .writer import CaptureWriter
 _LAYER_NAME_RE = re.compile(r"(^|.*_)layers_\d+$")
 
 
-def vllm_reconstruct(rank_tensors, module_name, phase, positions, padding_mask=None):
-    """vLLM tensor -> HF-equivalent: rank 0, padding stripped, deferred residual added.
+def read_tp_layout(capture_dir: str) -> dict[str, dict[str, Any]]:
+    """The ``tp_layout`` a vLLM capture recorded in its manifest (see
+    :func:`accuracy.in_vllm.tp_layout`); ``{}`` for captures without one (one rank)."""
+    from .tensor_io import read_manifest
 
+    man = read_manifest(capture_dir) or {}
+    layout = (man.get("config") or {}).get("tp_layout") or {}
+    if not isinstance(layout, dict):
+        raise ValueError(f"{capture_dir}: manifest config.tp_layout is not an object")
+    return layout
+
+
+def merge_tp_ranks(
+    rank_tensors: Sequence[torch.Tensor], module_name: str, layout: dict[str, Any] | None
+) -> torch.Tensor:
+    """The one-rank tensor from TP ranks' captures of ``module_name`` (rank order).
+
+    ``layout`` maps module names (dotted or with underscores) to the entries of
+    :func:`accuracy.in_vllm.tp_layout`. Column-parallel ``[..., F_r]`` shards: each logical
+    part (q, k, v; gate, up) concatenated over ranks in rank order, parts in order, along
+    the last dim (a part replicated ``r`` times is taken from every ``r``-th rank);
+    partial sums added; replicated (all-reduced) tensors taken from rank 0. One rank is
+    returned as it is. ValueError when several ranks have no layout entry or their
+    shards do not match it.
+    """
+    if not rank_tensors:
+        raise ValueError(f"{module_name}: no rank tensors")
+    if len(rank_tensors) == 1:
+        return rank_tensors[0]
+    key = module_name.replace(".", "_")
+    entry = next((v for k, v in (layout or {}).items() if k.replace(".", "_") == key), None)
+    if entry is None:
+        raise ValueError(
+            f"{module_name}: {len(rank_tensors)} TP ranks but no tp_layout entry (pass the "
+            f"capture's layout: read_tp_layout(capture_dir))"
+        )
+    kind = entry.get("kind")
+    shapes = {tuple(t.shape) for t in rank_tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"{module_name}: TP ranks have different shapes {sorted(shapes)}")
+    if kind == "replicated":
+        return rank_tensors[0]
+    if kind == "partial_sum":
+        return torch.stack(list(rank_tensors)).sum(0)
+    if kind != "column":
+        raise ValueError(f"{module_name}: unknown tp_layout kind {kind!r}")
+    width = rank_tensors[0].shape[-1]
+    parts = entry.get("parts") or [width]
+    reps = entry.get("replicas") or [1] * len(parts)
+    if sum(parts) != width or len(reps) != len(parts):
+        raise ValueError(
+            f"{module_name}: tp_layout parts {parts} (replicas {reps}) do not match the "
+            f"rank shard width {width}"
+        )
+    split = [t.split(list(parts), dim=-1) for t in rank_tensors]
+    cols = [torch.cat([s[i] for s in split[:: int(reps[i])]], -1) for i in range(len(parts))]
+    return torch.cat(cols, -1)
+
+
+def vllm_reconstruct(
+    rank_tensors, module_name, phase, positions, padding_mask=None, layout=None
+) -> torch.Tensor:
+    """vLLM tensor -> HF-equivalent: TP ranks merged, padding stripped, deferred residual
+    added.
+
+    Several TP ranks are merged by :func:`merge_tp_ranks` with ``layout`` (the capture's
+    :func:`read_tp_layout`; bind it with ``functools.partial`` for the compare functions).
     A vLLM decoder layer returns ``(hidden, residual)`` and the next layer adds them; the
     capture stores the pair stacked as ``[2, T, H]``, so the HF layer output is
     ``hidden + residual`` (``[T, H]``). Everything else is ``[T, ...]`` already.
     """
-    t = rank_tensors[0]
+    t = merge_tp_ranks(rank_tensors, module_name, layout)
     if t.dim() == 3 and t.shape[0] == 2 and _LAYER_NAME_RE.match(module_name):
         t = t[0] + t[1]
     return llama_reconstruct([t], module_name, phase, positions, padding_mask=padding_mask)
@@ -247,12 +312,22 @@ def run_vllm(
     additional_config: dict[str, Any],
     enforce_eager: bool = False,
     max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
     **llm_kwargs: Any,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy generation with an offline ``LLM`` (spawns its engine processes; call it
     under ``if __name__ == "__main__":``). Returns ``(prompt token ids, output token ids)``
-    in prompt order."""
+    in prompt order.
+
+    ``tensor_parallel_size > 1`` shards the model over that many worker processes; on
+    vLLM's CPU backend ``VLLM_CPU_OMP_THREADS_BIND`` defaults to one core per rank
+    (:func:`cpu_threads_bind`) when unset.
+    """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tensor_parallel_size)
     from vllm import LLM, SamplingParams
 
     if max_model_len is None:
@@ -264,12 +339,35 @@ def run_vllm(
         max_model_len=max_model_len,
         enforce_eager=enforce_eager,
         additional_config=additional_config,
+        tensor_parallel_size=tensor_parallel_size,
         **llm_kwargs,
     )
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     outs = llm.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     del llm
     return [list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs]
+
+
+def cpu_threads_bind(ranks: int, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` TP ranks its own cores:
+    this process's usable cores split into ``ranks`` equal contiguous groups, ranks
+    separated by ``|`` (2 ranks on 2 cores: ``"0|1"``; on 8 cores ``"0-3|4-7"``).
+    ValueError when there are fewer cores than ranks."""
+    if cores is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        cores = cores or list(range(os.cpu_count() or 1))
+    if ranks < 1 or len(cores) < ranks:
+        raise ValueError(f"--tensor-parallel-size {ranks}: only {len(cores)} CPU cores to bind")
+    per = len(cores) // ranks
+
+    def spell(g: list[int]) -> str:
+        if len(g) == 1:
+            return str(g[0])
+        if g[-1] - g[0] == len(g) - 1:  # contiguous
+            return f"{g[0]}-{g[-1]}"
+        return ",".join(str(c) for c in g)
+
+    return "|".join(spell(cores[i * per : (i + 1) * per]) for i in range(ranks))
 
 
 def compare_hf_vllm(
@@ -287,16 +385,17 @@ def compare_hf_vllm(
     file = file or sys.stdout
     fp32, bf16 = read(hf_fp32), read(hf_bf16)
     vl = split_by_request(read(vllm_dir))
+    recon = functools.partial(vllm_reconstruct, layout=read_tp_layout(vllm_dir))
     fp32, bf16 = align_decode_captures(fp32, vl), align_decode_captures(bf16, vl)
     same = bf16 if vllm_dtype == "bfloat16" else fp32
     if threshold is None:
         threshold = 0.05 if vllm_dtype == "bfloat16" else 0.01
     label = "HF BF16" if vllm_dtype == "bfloat16" else "HF FP32"
-    two = compare_captures_two_way(same, vl, hf_reference_reconstruction, vllm_reconstruct)
+    two = compare_captures_two_way(same, vl, hf_reference_reconstruction, recon)
     s2 = print_comparison_report(two, threshold, label, "vLLM", file=file)
     cfg = DynamicThresholdConfig(multiplier, multiplier)
     three = compare_captures_three_way(
-        fp32, bf16, vl, hf_reference_reconstruction, vllm_reconstruct, config=cfg
+        fp32, bf16, vl, hf_reference_reconstruction, recon, config=cfg
     )
     s3 = print_three_way_report(three, "HF BF16", "vLLM", "HF FP32", multiplier, file=file)
     f2, f3 = first_divergence(two, threshold), first_divergence(three)
@@ -315,13 +414,18 @@ def hf_vs_vllm(
     threshold: float | None = None,
     multiplier: float = 1.5,
     file: TextIO | None = None,
+    tensor_parallel_size: int = 1,
 ) -> HFvsVLLMResult:
     """The compare design's workflow end to end: capture vLLM, then HF FP32 and HF BF16
     teacher-forced on vLLM's tokens, align, print the two-way and three-way reports.
 
     ``out_dir`` receives ``vllm/``, ``hf_fp32/``, ``hf_bf16/`` and ``tokens.json``.
     ``fault`` (``{"module": ..., "scale": ...}``) plants a bug in vLLM (self-test).
+    ``tensor_parallel_size`` shards vLLM (one capture file per rank, merged with the
+    capture's ``tp_layout`` before comparing); HF runs unsharded.
     """
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if max_tokens < 1:
@@ -342,7 +446,13 @@ def hf_vs_vllm(
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
     prompt_ids, gen_ids = run_vllm(
-        model_dir, prompts, max_tokens, dtype, {"treespec": treespec}, enforce_eager
+        model_dir,
+        prompts,
+        max_tokens,
+        dtype,
+        {"treespec": treespec},
+        enforce_eager,
+        tensor_parallel_size=tensor_parallel_size,
     )
     secs["vllm"] = time.perf_counter() - t0
     from .tensor_io import atomic_write_json
