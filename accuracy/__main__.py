@@ -187,6 +187,7 @@ def _tree_vllm(args, tree_fwds) -> int:
         capture_hf_tree_reference,
         compare_vllm_tree,
         load_hf_model,
+        read_tp_layout,
         vllm_tree_passes,
     )
 
@@ -196,7 +197,7 @@ def _tree_vllm(args, tree_fwds) -> int:
     if args.hf_model:
         model = load_hf_model(args.hf_model, torch.float32)
         capture_hf_tree_reference(model, passes, passes[0].module_names, args.dense)
-    rows = compare_vllm_tree(read(args.dense), passes)
+    rows = compare_vllm_tree(read(args.dense), passes, read_tp_layout(args.tree))
     bad = print_tree_report(rows, args.threshold, "HF dense", "vLLM tree")
     first = next((r for r in rows if r.result.deviates(args.threshold)), None)
     if first is not None:

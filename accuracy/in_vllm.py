@@ -468,7 +468,9 @@ def _manifest_cfg(runner, cap: dict[str, Any], layout: dict[str, Any]) -> dict[s
         "model": str(mc.model),
         "dtype": str(mc.dtype).replace("torch.", ""),
         "enforce_eager": bool(mc.enforce_eager),
-        "tensor_parallel_size": int(runner.vllm_config.parallel_config.tensor_parallel_size),
+        "tensor_parallel_size": int(
+            getattr(runner.vllm_config.parallel_config, "tensor_parallel_size", 1) or 1
+        ),
         "tp_layout": layout,
         "requested": {k: v for k, v in cap.items() if k != "capture_dir"},
     }

@@ -566,10 +566,13 @@ def capture_hf_tree_reference(
 
 
 def compare_vllm_tree(
-    dense: list[CapturedForwardPass], tree_passes: list[CapturedForwardPass]
+    dense: list[CapturedForwardPass],
+    tree_passes: list[CapturedForwardPass],
+    layout: dict[str, Any] | None = None,
 ) -> list:
     """Every captured module at every tree node vs HF's dense decoding of the node's
     path (:func:`capture_hf_tree_reference`), paired by (request, source pass, node).
+    ``layout``: the tree capture's :func:`read_tp_layout` (needed under TP).
     Returns :class:`accuracy.TreeNodeComparison` rows in forward (module) order."""
     from .compare import _resolve as resolve_capture
     from .compare import compare_tensors, normalize_name
@@ -589,7 +592,9 @@ def compare_vllm_tree(
         for tp in tree_passes:
             tree, rid = tp.metadata.tree, tp.metadata.req_ids[0]
             src = tp.metadata.extra.get("source_pass")
-            got = vllm_reconstruct(tp.rank_tensors(m), normalize_name(m), "decode", [])
+            got = vllm_reconstruct(
+                tp.rank_tensors(m), normalize_name(m), "decode", [], None, layout
+            )
             for n in range(len(tree.parents)):
                 hit = index.get((rid, src, n))
                 if hit is None:
