@@ -6,9 +6,9 @@ capturing the same greedy run of layer 0's sharded and replicated modules. Prove
 - under TP=2 every pass directory holds ``rank0`` and ``rank1`` files per module;
 - vLLM's sharded modules rebuilt from the ranks equal the TP=1 capture: column-parallel
   outputs (``qkv_proj``: q, k, v each split by heads; ``gate_up_proj``: gate and up each
-  split; the attention output split by heads) concatenated in rank order per part,
-  all-reduced outputs (``o_proj``, ``down_proj``, the decoder layer, the embedding, the
-  final norm) taken from rank 0 and equal on both ranks;
+  split; the attention output split by heads, the activation by features) concatenated
+  in rank order per part, all-reduced outputs (``o_proj``, ``down_proj``, the decoder
+  layer, the embedding, the final norm) taken from rank 0 and equal on both ranks;
 - the pass metadata keeps every rank's shapes; the capture records each module's TP
   layout (from vLLM's layers), equal to the one the HF config implies;
 - ``accuracy.vllm_compare.vllm_reconstruct`` with that layout rebuilds TP=2 captures to
@@ -41,6 +41,7 @@ SHARDING: dict[str, object] = {
     f"{L0}.self_attn.attn": "cat",
     f"{L0}.self_attn.o_proj": "reduced",
     f"{L0}.mlp.gate_up_proj": "gate_up",
+    f"{L0}.mlp.act_fn": "cat",
     f"{L0}.mlp.down_proj": "reduced",
     L0: "reduced",
     "model.norm": "reduced",
