@@ -134,6 +134,23 @@ def test_walk_equals_reference(backend, mode):
     check()
 
 
+@pytest.mark.parametrize("argmax_all_max", [0, 1 << 40], ids=["levels", "argmax_all"])
+def test_torch_greedy_forms_equal_reference(monkeypatch, argmax_all_max):
+    """The CPU's two greedy forms (level by level for many logits, one argmax over every
+    node for few) both equal the reference: small cases pin each form in turn."""
+    mod = importlib.import_module(f"{kernels.BACKENDS['torch']}.tree_walk")
+    monkeypatch.setattr(mod, "_ARGMAX_ALL_MAX", argmax_all_max)
+    lim = LIMITS["torch"]
+
+    @settings(max_examples=lim["examples"], deadline=None)
+    @given(seed=st.integers(0, 2**31 - 1), vocab=st.sampled_from(VOCABS))
+    def check(seed, vocab):
+        case = make_case(seed, lim, vocab, "greedy", torch.float32)
+        assert_same(walk(case, "torch"), ref_walk(case))
+
+    check()
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_walk_equals_reference_on_the_medusa_tree(backend, mode):

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -257,6 +257,7 @@ class _Group:
     rows: slice | torch.Tensor
     path: str
     bias: torch.Tensor
+    full_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # small path, per G
 
 
 def _plan(
@@ -357,25 +358,58 @@ def _small_group(
     """A small lone request (``grp`` has one) as one tile of all its heads.
 
     Same arithmetic as ``_row_tile_group`` (fp32 scores and softmax, ``P`` in q's
-    dtype) in about ten batched ops: at small shapes the per-op overhead, not the
-    GEMMs, is the cost. Scores ``[Hkv, G * n, P + n]`` fp32, at most
-    ``_SMALL_TILE_BYTES``; a contiguous cache is read in place (a strided view).
+    dtype) in a handful of batched ops: at small shapes the per-op overhead, not the
+    GEMMs, is the cost. The request's ``P + n`` keys and values are gathered into
+    contiguous ``[P + n, Hkv, D]`` rows (one ``index_select`` of its blocks each: a
+    strided view would make both GEMMs copy), and the ``Q K^T`` GEMM adds the group's fp32 bias
+    ``[G * n, P + n]`` (zeros over the prefix, the ancestor mask over the tree; no
+    bigger than the scores) as it goes. Scores ``[Hkv, G * n, P + n]`` fp32, at most
+    ``_SMALL_TILE_BYTES``.
     """
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
     n, plen, (r,) = grp.n, grp.plen, grp.reqs
     length = plen + n
-    k, v = (t[0] for t in _group_kv(k_cache, v_cache, block_table, [r], length))
+    k, v = (_request_rows_kv(c, block_table, r, length) for c in (k_cache, v_cache))
     qs = q[grp.rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-    s = torch.matmul(qs.float() * scale, k.float().transpose(-1, -2))  # [Hkv, G*n, L]
-    s.view(hkv, g, n, length)[..., plen:] += grp.bias[0]
+    s = torch.baddbmm(
+        _full_bias(grp, g), qs.float(), k.float().permute(1, 2, 0), alpha=scale
+    )  # [Hkv, G * n, L] fp32
     m = s.amax(-1) if lse is not None else None
     p = torch.softmax(s, -1)
-    o = torch.matmul(p.to(q.dtype), v)  # [Hkv, G * n, D]
+    o = torch.bmm(p.to(q.dtype), v.transpose(0, 1))  # [Hkv, G * n, D]
     out[grp.rows] = o.view(hq, n, d).transpose(0, 1)
     if lse is not None:  # p's row max is exp(0) / sum: lse = m + log(sum)
         lse[grp.rows] = (m - torch.log(p.amax(-1))).view(hq, n).T
+
+
+def _request_rows_kv(
+    cache: torch.Tensor, block_table: torch.Tensor | None, r: int, length: int
+) -> torch.Tensor:
+    """Request ``r``'s first ``length`` positions of a K or V cache as contiguous rows
+    ``[length, Hkv, D]``: its paged blocks gathered with one ``index_select`` (the cache
+    may be a strided view, e.g. of vLLM's cache: only the request's blocks are read), or
+    a view of a contiguous ``[B, S, Hkv, D]`` cache."""
+    if block_table is None:
+        return cache[r, :length]
+    bs, h, d = cache.shape[1:]
+    nblk = (length + bs - 1) // bs
+    blocks = block_table[r, :nblk].to(torch.int64)
+    return cache.index_select(0, blocks).view(nblk * bs, h, d)[:length]
+
+
+def _full_bias(grp: _Group, g: int) -> torch.Tensor:
+    """The small path's fp32 bias ``[G * n, P + n]``: 0 over the prefix, the ancestor
+    mask over the tree's columns, repeated for the ``G`` query heads of a KV head.
+    Made once per group and ``G`` (the group is cached by the plan)."""
+    full = grp.full_bias.get(g)
+    if full is None:
+        n, plen = grp.n, grp.plen
+        full = grp.bias.new_zeros(g, n, plen + n)
+        full[..., plen:] = grp.bias[0, 0]
+        full = grp.full_bias[g] = full.view(g * n, plen + n)
+    return full
 
 
 def _request_rows(grp: _Group, i: int) -> slice | torch.Tensor:

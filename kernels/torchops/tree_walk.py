@@ -153,6 +153,12 @@ def _row_argmax(rows: torch.Tensor) -> torch.Tensor:
     return torch.argmax(rows, dim=-1)
 
 
+# Greedy on the CPU: up to this many logits, one argmax over every node and the
+# vectorised walk (fewer ops: 9 nodes x 4096 vocabulary, 0.38 vs 0.81 ms here); above it,
+# level by level, where the argmax over every node would dominate.
+_ARGMAX_ALL_MAX = 1 << 19
+
+
 def _greedy_levels(logits: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
     """Greedy walk level by level: the argmax only at the B current nodes of each level.
 
@@ -326,7 +332,7 @@ def tree_walk(
         ``WalkResult`` of int64 ``[B]``, ``[B, D+1]``, ``[B, D+1]``, -1 padded.
     """
     if mode == "greedy":
-        if logits.device.type == "cpu":
+        if logits.device.type == "cpu" and logits.numel() > _ARGMAX_ALL_MAX:
             return _greedy_levels(logits, tokens, tree)
         return greedy_from_argmax(torch.argmax(logits, dim=-1), tokens, tree)
     ids = torch.arange(tree.num_requests, device=logits.device)
