@@ -27,7 +27,7 @@ from tqdm import tqdm
 from accuracy import ModelCapture
 from accuracy.plots import save_figure
 from accuracy.tensor_io import atomic_write_json
-from bench.common import tiny_llama
+from tree_dev.testing import tiny_llama
 
 
 def build_model(layers: int = 6):

@@ -46,9 +46,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import kernels
-from bench.common import random_tree
 from bench.io import atomic_write_bytes, save_figure
 from bench.timing import graph_or_eager
+from tree_dev.testing import random_tree
 from tree_dev.tree import TreeBatch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

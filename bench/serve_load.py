@@ -70,9 +70,9 @@ def make_prompts(n: int, chars: int = 400) -> list[str]:
 
 def write_random_tiny(path: Path) -> Path:
     """A tiny random target + EAGLE head + byte-level tokenizer under ``path``."""
-    from bench.common import tiny_llama
     from tree_dev.models.data import train_tokenizer
     from tree_dev.models.eagle import EagleHead
+    from tree_dev.testing import tiny_llama
 
     tok = train_tokenizer(make_prompts(8), vocab_size=512)
     eos = tok.eos_token_id

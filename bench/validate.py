@@ -68,9 +68,9 @@ from accuracy import (
 )
 from accuracy.compare import normalize_name
 from accuracy.plots import save_figure
-from bench.common import perturbed, tiny_llama
 from tree_dev.engine import Engine, SamplingParams
 from tree_dev.hf_compat import cache_kwargs
+from tree_dev.testing import perturbed, tiny_llama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_TREE = "topk:k=4,depth=5,budget=32"

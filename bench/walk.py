@@ -45,10 +45,10 @@ import torch
 from tqdm import tqdm
 
 import kernels
-from bench.common import random_tree
 from bench.io import atomic_write_bytes, save_figure
 from bench.timing import graph_or_eager
 from kernels.reference import target_probs
+from tree_dev.testing import random_tree
 from tree_dev.tree import TreeBatch
 
 GOAL = dict(mode="greedy", batch=64, nodes=64, vocab=32768, limit_us=15.0)

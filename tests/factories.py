@@ -1,11 +1,11 @@
-"""Test factories, one definition each (the benchmarks share them through ``bench.common``).
+"""Test factories, one definition each (in ``tree_dev.testing``, shared with the benchmarks).
 
 from tests.factories import BACKENDS, random_tree, tiny_llama, tiny_llama_config
 """
 
 from __future__ import annotations
 
-from bench.common import (
+from tree_dev.testing import (
     KERNEL_BACKENDS,
     hf_greedy,
     perturbed,
