@@ -14,7 +14,10 @@ same scenario. Every engine decodes the same prompts with the same parameters; e
 one after another in this process (an engine owns the machine while it runs).
 
     python -m bench.vllm_e2e            # full grid (about 15 minutes here)
-    python -m bench.vllm_e2e --quick    # one budget per tree kind, fewer prompts
+    python -m bench.vllm_e2e --quick    # budget-8 trees only, fewer prompts
+
+vLLM's chains run at every tree budget (k = 4 and 8), so each tree is also compared with
+vLLM's chain of the same draft and node budget (``tree_vs_same_budget_chain``).
 
 Writes ``results/vllm_e2e.json`` and ``results/vllm_e2e.png``.
 """
@@ -32,30 +35,23 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
 CK = ROOT / "checkpoints" / "stdlib-v1"
+CHAIN_LENGTHS = (4, 8)  # the trees' node budgets; 16 only in the full grid's EAGLE tree
 SCENARIOS = (("batch1", 1, 0.0), ("batch1", 1, 0.8), ("conc4", 4, 0.0), ("conc4", 4, 0.8))
 
 
 def configs(quick: bool, eagle_dir: str) -> list[dict]:
     """Engine configurations: name, speculative_config, tree spec (None: vLLM's own)."""
-    draft, k = str(CK / "draft"), 4
-    out = [
-        {"name": "vllm plain", "spec": None, "tree": None},
-        {
-            "name": f"vllm ngram k={k}",
-            "spec": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4},
-            "tree": None,
-        },
-        {
-            "name": f"vllm draft_model chain k={k}",
-            "spec": {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
-            "tree": None,
-        },
-        {
-            "name": f"vllm eagle chain k={k}",
-            "spec": {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": k},
-            "tree": None,
-        },
-    ]
+    draft = str(CK / "draft")
+    out = [{"name": "vllm plain", "spec": None, "tree": None, "method": None, "budget": 0}]
+    for k in CHAIN_LENGTHS:  # vLLM's own chains at each tree budget (same draft, same nodes)
+        for method, extra in (
+            ("ngram", {"prompt_lookup_max": 4}),
+            ("draft_model", {"model": draft}),
+            ("eagle", {"model": eagle_dir}),
+        ):
+            name = f"vllm {method} chain k={k}" if method != "ngram" else f"vllm ngram k={k}"
+            spec = {"method": method, "num_speculative_tokens": k, **extra}
+            out.append({"name": name, "spec": spec, "tree": None, "method": method, "budget": k})
     trees = [
         ("draft_model", draft, "topk:k=2,depth=3,budget=4"),
         ("draft_model", draft, "topk:k=2,depth=4,budget=8"),
@@ -73,7 +69,15 @@ def configs(quick: bool, eagle_dir: str) -> list[dict]:
         spec = {"method": method, "num_speculative_tokens": parse_tree_spec(tree).draft_budget}
         if model is not None:
             spec["model"] = model
-        out.append({"name": f"tree {method} {tree}", "spec": spec, "tree": tree})
+        out.append(
+            {
+                "name": f"tree {method} {tree}",
+                "spec": spec,
+                "tree": tree,
+                "method": method,
+                "budget": spec["num_speculative_tokens"],
+            }
+        )
     return out
 
 
@@ -107,7 +111,14 @@ def run_engine(cfg: dict, prompts: list[list[int]], max_tokens: int) -> dict:
     startup = time.perf_counter() - t0
     toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(toks[:2], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
-    res = {"name": cfg["name"], "startup_s": startup, "scenarios": {}}
+    res = {
+        "name": cfg["name"],
+        "method": cfg["method"],
+        "budget": cfg["budget"],
+        "tree": cfg["tree"],
+        "startup_s": startup,
+        "scenarios": {},
+    }
     try:
         for label, conc, temp in SCENARIOS:
             before = _counters(llm)
@@ -240,6 +251,13 @@ def main() -> None:
             f"{s}: best tree {best['name']} {summary[s]['best_tree_ratio']:.2f}x vLLM plain; "
             f"best vLLM method {builtin['name']} {summary[s]['best_builtin_ratio']:.2f}x"
         )
+        matched = summary[s]["tree_vs_same_budget_chain"] = {}
+        for t in trees:  # vLLM's chain with the same draft and node budget
+            same = [b for b in builtins if (b["method"], b["budget"]) == (t["method"], t["budget"])]
+            if same:
+                ratio = t["scenarios"][s]["tokens_per_s"] / same[0]["scenarios"][s]["tokens_per_s"]
+                matched[t["name"]] = {"chain": same[0]["name"], "ratio": ratio}
+                print(f"    {t['name']} vs {same[0]['name']}: {ratio:.2f}x")
     out = Path(args.out)
     doc = {
         "prompts": n,

@@ -52,6 +52,27 @@ class TreeRows:
     query_nodes: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     kv_lens: list[int] = field(default_factory=list)
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def row_slice(self) -> slice | None:
+        """``row_index`` as a slice when it is one run of consecutive rows (else None)."""
+        if "slice" not in self._tables:
+            idx = self.row_index
+            n = idx.numel()
+            first = int(idx[0]) if n else 0
+            run = n > 0 and int(idx[-1]) == first + n - 1 and bool((idx.diff() == 1).all())
+            self._tables["slice"] = slice(first, first + n) if run else None
+        return self._tables["slice"]
+
+    def verify_table(self, attn_metadata) -> torch.Tensor:
+        """The trees' rows of vLLM's block table (selected once per forward, not per layer)."""
+        bt = attn_metadata.block_table
+        key = (bt.data_ptr(), tuple(bt.shape))
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = bt[self.req_rows.to(bt.device)]
+        return table
 
 
 @dataclass
@@ -143,8 +164,12 @@ class TreeRowsMixin:
 
     The base implementation's ``forward`` runs first (it is right for every row that is
     not a tree row); the tree rows are then recomputed and overwritten. Draft forwards
-    (``TreeAttentionMetadata``) never reach the base kernel.
+    (``TreeAttentionMetadata``) never reach the base kernel; nor do verify forwards
+    whose rows are all tree rows, where the base writes the KV cache in an op of its
+    own (``skip_base_for_tree_rows``).
     """
+
+    skip_base_for_tree_rows = False
 
     def forward(
         self,
@@ -166,30 +191,43 @@ class TreeRowsMixin:
             out = tree_attend(self, layer, q, kv_cache, rows, rows.block_table)
             output[:n] = out.reshape(output[:n].shape).to(output.dtype)
             return output
-        super().forward(
-            layer,
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            output,
-            output_scale=output_scale,
-            output_block_scale=output_block_scale,
-        )
         rows = ACTIVE.verify
+        if (
+            rows is None
+            or attn_metadata is None
+            or not self.skip_base_for_tree_rows
+            or rows.row_index.numel() != attn_metadata.num_actual_tokens
+        ):  # vLLM's kernel is right for the rows that are not tree rows
+            super().forward(
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale=output_scale,
+                output_block_scale=output_block_scale,
+            )
         if rows is None or attn_metadata is None:
             return output
-        q = query.view(query.shape[0], hq, d)[rows.row_index]
-        table = attn_metadata.block_table[rows.req_rows.to(attn_metadata.block_table.device)]
-        out = tree_attend(self, layer, q, kv_cache, rows, table)
+        sel = rows.row_slice if rows.row_slice is not None else rows.row_index
+        q = query.view(query.shape[0], hq, d)[sel]
+        out = tree_attend(self, layer, q, kv_cache, rows, rows.verify_table(attn_metadata))
         out_view = output.view(output.shape[0], hq, d)
-        out_view[rows.row_index.to(output.device)] = out.to(output.dtype)
+        if rows.row_slice is None:
+            sel = sel.to(output.device)
+        out_view[sel] = out.to(output.dtype)
         return output
 
 
 class TreeCPUAttentionImpl(TreeRowsMixin, CPUAttentionBackendImpl):
-    """vLLM's CPU attention, with tree rows recomputed by ``kernels.tree_attention``."""
+    """vLLM's CPU attention, with tree rows recomputed by ``kernels.tree_attention``.
+
+    vLLM 0.32's CPU decoder attention writes K/V in ``do_kv_cache_update``, not in
+    ``forward``: a forward of tree rows only can skip the causal kernel."""
+
+    skip_base_for_tree_rows = True
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

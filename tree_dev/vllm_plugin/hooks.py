@@ -13,7 +13,8 @@ Wrapped (all in the worker process, except the config check):
 - ``load_model``: records which attention layers belong to the target and the draft.
 - ``_update_states``: forgets finished / preempted requests.
 - ``_prepare_inputs``: depth positions and the tree rows of the verify forward.
-- ``_sample``: the tree walk, then KV compaction.
+- ``_sample``: the tree walk, then KV compaction (vLLM's sampler is skipped when every
+  request of the batch is a tree: the walk writes every row).
 - ``propose_draft_token_ids``: grows the next trees.
 """
 
@@ -180,10 +181,13 @@ def _prepare_inputs(orig):
 
 def _sample(orig):
     def _sample(self, logits, spec_decode_metadata):
-        out = orig(self, logits, spec_decode_metadata)
         st = getattr(self, "_treespec", None)
-        if st is not None:
-            st.walk_and_compact(logits, spec_decode_metadata, out)
+        if st is None:
+            return orig(self, logits, spec_decode_metadata)
+        out = st.sampler_output_for_trees(spec_decode_metadata)
+        if out is None:  # some row is not a tree: vLLM's sampler for the batch first
+            out = orig(self, logits, spec_decode_metadata)
+        st.walk_and_compact(logits, spec_decode_metadata, out)
         return out
 
     return _sample

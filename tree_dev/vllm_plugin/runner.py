@@ -247,6 +247,23 @@ class TreeRunner:
         )
 
     # ----------------------------------------------------------------- walk
+    def sampler_output_for_trees(self, spec_meta):
+        """An empty ``SamplerOutput`` (``-1`` everywhere) when every request of the batch
+        is verifying a tree (the walk then writes every row, so vLLM's sampler and
+        rejection sampler need not run); None otherwise."""
+        v = self.verify
+        if v is None or spec_meta is None:
+            return None
+        batch = self.runner.input_batch
+        if len(v.req_index) != batch.num_reqs:
+            return None
+        from vllm.v1.outputs import SamplerOutput
+
+        batch.update_async_output_token_ids()
+        width = max(spec_meta.num_draft_tokens) + 1
+        ids = torch.full((batch.num_reqs, width), -1, dtype=torch.int32)
+        return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
+
     def walk_and_compact(self, logits: torch.Tensor, spec_meta, sampler_output) -> None:
         """Replace the tree requests' rows of vLLM's sampler output; compact their KV."""
         v = self.verify
@@ -461,26 +478,31 @@ def worker_recorded_trees(worker) -> list[dict]:
 
 
 class _Profiler:
-    """Developer switch: ``TREESPEC_PROFILE=FILE`` profiles the worker (cProfile) and
-    rewrites FILE every 50 steps (worker processes are killed, not exited, at shutdown)."""
+    """Developer switch: ``TREESPEC_PROFILE=FILE`` profiles the worker (cProfile) after
+    ``TREESPEC_PROFILE_SKIP`` proposing steps (default 0: from start-up on) and rewrites
+    FILE every 50 steps (worker processes are killed, not exited, at shutdown)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, skip: int = 0):
         import cProfile
 
-        self.path, self.steps = path, 0
+        self.path, self.steps, self.skip = path, 0, skip
         self.prof = cProfile.Profile()
-        self.prof.enable()
+        if skip == 0:
+            self.prof.enable()
 
     @classmethod
     def from_env(cls) -> _Profiler | None:
         import os
 
         path = os.environ.get("TREESPEC_PROFILE")
-        return cls(path) if path else None
+        skip = int(os.environ.get("TREESPEC_PROFILE_SKIP", "0"))
+        return cls(path, skip) if path else None
 
     def tick(self) -> None:
         self.steps += 1
-        if self.steps % 50 == 0:
+        if self.steps == self.skip:
+            self.prof.enable()
+        elif self.steps > self.skip and (self.steps - self.skip) % 50 == 0:
             self.prof.disable()
             self.prof.dump_stats(self.path)
             self.prof.enable()
