@@ -504,6 +504,15 @@ def test_disconnecting_stream_frees_its_request(srv, monkeypatch):
 
 
 # --------------------------------------------------------------------------- flags
+@pytest.fixture(autouse=True)
+def _no_measured_policies(tmp_path_factory, monkeypatch):
+    """The flag tests see the built-in default policies, not this checkout's results/
+    (a local bench run's best policy would change what a flag set resolves to)."""
+    empty = tmp_path_factory.mktemp("no_results")
+    monkeypatch.setattr(config, "E2E_REPORT", empty / "e2e.json")
+    monkeypatch.setattr(config, "VLLM_E2E_REPORT", empty / "vllm_e2e.json")
+
+
 def _local(argv) -> list[str]:
     """The local engine's flags (the default engine is vllm where vLLM is installed)."""
     return list(argv) if "--engine" in argv else ["--engine", "local", *argv]
@@ -793,6 +802,32 @@ def _vllm(*argv: str):
 
 def _arg(cmd: list[str], flag: str):
     return json.loads(cmd[cmd.index(flag) + 1]) if flag in cmd else None
+
+
+def test_tensor_parallel_size_goes_to_vllm_with_a_core_group_per_rank(tmp_path, capsys):
+    from tree_dev.server import vllm_front
+
+    for sub in ("target", "eagle", "draft", "tokenizer"):
+        (tmp_path / sub).mkdir()
+    c = _vllm("--model", str(tmp_path), "--tree", "ngram:budget=8", "--tensor-parallel-size", "2")
+    cmd = config.vllm_argv(c)
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert config.vllm_engine_kwargs(c)["tensor_parallel_size"] == 2
+    env = vllm_front.vllm_env(c, base={})
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    kept = vllm_front.vllm_env(c, base={"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"})
+    assert kept["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"  # the user's binding wins
+    plain = _vllm("--model", str(tmp_path), "--tree", "ngram:budget=8")
+    assert "--tensor-parallel-size" not in config.vllm_argv(plain)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_front.vllm_env(plain, base={})
+    assert vllm_front.rank_core_groups(2, [0, 1]) == "0|1"
+    assert vllm_front.rank_core_groups(2, list(range(8))) == "0,1,2,3|4,5,6,7"
+    with pytest.raises(ValueError, match="only 1 CPU cores"):
+        vllm_front.rank_core_groups(2, [0])
+    err = _fails(capsys, "--engine", "local", "--tensor-parallel-size", "2")
+    assert "--tensor-parallel-size" in err and "--engine vllm" in err
+    err = _fails(capsys, "--engine", "vllm", "--tensor-parallel-size", "0")
+    assert "--tensor-parallel-size" in err and ">= 1" in err
 
 
 def test_vllm_mapping_chain_tree_ngram(tmp_path):

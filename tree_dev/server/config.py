@@ -89,6 +89,7 @@ class ServeConfig:
     gates_report: Path = GATES_REPORTS["local"]
     log_level: str = "info"
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     speculative_extra: dict[str, Any] = field(default_factory=dict)
     additional_extra: dict[str, Any] = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
@@ -182,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--torch-threads", type=int, help="local: torch.set_num_threads")
     s.add_argument("--enforce-eager", action="store_true", help="vllm: no torch.compile")
+    s.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vllm: TP ranks (on CPU each rank gets its own cores unless "
+        "VLLM_CPU_OMP_THREADS_BIND is set)",
+    )
     s.add_argument(
         "--gates-report",
         type=Path,
@@ -536,6 +544,13 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
             parser.error(
                 f"argument {f2}: not allowed with {f1} (draft {d2[0]} {d2[1]} vs {d1[0]} {d1[1]})"
             )
+    if a.tensor_parallel_size < 1:
+        parser.error(f"argument --tensor-parallel-size: must be >= 1, got {a.tensor_parallel_size}")
+    if a.tensor_parallel_size > 1 and engine != "vllm":
+        parser.error(
+            f"argument --tensor-parallel-size: {a.tensor_parallel_size} needs --engine vllm "
+            "(the local engine runs on one device)"
+        )
     if a.max_batch < 1 or (a.max_model_len is not None and a.max_model_len < 2):
         parser.error("argument --max-batch/--max-model-len: must be >= 1 / >= 2")
 
@@ -630,6 +645,7 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         gates_report=a.gates_report or GATES_REPORTS[engine],
         log_level=a.log_level,
         enforce_eager=a.enforce_eager,
+        tensor_parallel_size=a.tensor_parallel_size,
         speculative_extra=spec_extra,
         additional_extra=add_extra,
         vllm_args=passthrough,
@@ -699,6 +715,8 @@ def vllm_engine_kwargs(cfg: ServeConfig) -> dict[str, Any]:
         kw["additional_config"] = ac
     if cfg.enforce_eager:
         kw["enforce_eager"] = True
+    if cfg.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = cfg.tensor_parallel_size
     return kw
 
 

@@ -58,7 +58,29 @@ def vllm_env(cfg: ServeConfig, base: dict[str, str] | None = None) -> dict[str, 
     """The environment of vLLM's server: ``base`` (default ``os.environ``) + the policy info."""
     env = dict(os.environ if base is None else base)
     env[INFO_ENV] = json.dumps(cfg.info())
+    if cfg.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_groups(cfg.tensor_parallel_size)
     return env
+
+
+def rank_core_groups(ranks: int, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` TP ranks on the CPU: the usable cores in
+    ``ranks`` equal groups (2 ranks on 2 cores ``"0|1"``, on 8 cores ``"0,1,2,3|4,5,6,7"``).
+
+    vLLM's default (``auto``) binds by NUMA node, one list for a one-node machine, which
+    TP > 1 refuses. (``accuracy.vllm_compare.cpu_threads_bind`` applies the same rule for
+    ``hf-vs-vllm``; ``accuracy`` imports nothing of ``tree_dev``, nor the reverse.)
+
+    Raises:
+        ValueError: fewer usable cores than ranks.
+    """
+    if cores is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        cores = cores or list(range(os.cpu_count() or 1))
+    if len(cores) < ranks:
+        raise ValueError(f"--tensor-parallel-size {ranks}: only {len(cores)} CPU cores to bind")
+    per = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[i * per : (i + 1) * per])) for i in range(ranks))
 
 
 def exec_vllm(cfg: ServeConfig) -> None:
