@@ -18,7 +18,16 @@ patches):
 - ``_model_forward``: builds the replacement context from the scheduler's request ids and
   positions, brackets the forward with ``setup_tensor_capture`` / ``save_tensor_captures``
   and writes ``dp0/{prefill_s*,decode_b*}_{i}`` with the scheduler metadata.
-- the worker's ``compile_or_warm_up_model``: enables disk writes after warmup.
+- the worker's ``compile_or_warm_up_model``: enables disk writes after warmup; its
+  ``shutdown`` flushes the queued writes.
+
+Writes run on a background thread (:class:`_AsyncWrites`): the forward only hands over
+the captured tensors (already copies) and the pass's metadata; every queued pass is on
+disk before a step that may finish a request returns its output, at worker shutdown, at
+exit and after :func:`flush_captures`. A write error is re-raised (``RuntimeError``
+naming the pass and the file) by the next step and by every flush.
+``"async_writes": False`` waits for each pass before the next step (the previous
+behaviour); ``"max_pending"`` (default 64) bounds the queued passes.
 
 The draft model of speculative decoding (``draft_modules``) is captured around each of its
 forward calls into ``capture_dir/draft``.
@@ -27,7 +36,8 @@ Configuration (all keys optional except ``capture_dir`` / a tensor source)::
 
     additional_config={"treespec": {
         "tensor_capture": {"modules": ["model.layers.0-5", "lm_head"], "capture_dir": D,
-                           "draft_modules": [...], "capture_filter": [...]},
+                           "draft_modules": [...], "capture_filter": [...],
+                           "async_writes": True, "max_pending": 64},
         "tensor_replacement": replacement_config(tensors, prompt_token_ids)   # in memory
                            | {"tensors_path": P, "prompt_token_ids_path": Q,
                               "modules": [...]},                          # from disk
@@ -43,11 +53,14 @@ the residual add deferred; their capture stacks both as ``[2, T, H]`` (see
 
 from __future__ import annotations
 
+import atexit
+import copy
 import functools
 import logging
 import os
 import re
 import tempfile
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +82,15 @@ logger = logging.getLogger(__name__)
 
 CONFIG_SECTIONS = ("neuron_config", "treespec")  # later wins
 MY_KEYS = ("tensor_capture", "tensor_replacement", "fault_injection")
-_CAPTURE_KEYS = {"modules", "capture_dir", "draft_modules", "capture_filter", "strict"}
+_CAPTURE_KEYS = {
+    "modules",
+    "capture_dir",
+    "draft_modules",
+    "capture_filter",
+    "strict",
+    "async_writes",
+    "max_pending",
+}
 _LAYER_RE = re.compile(r"(^|.*\.)layers\.\d+$")
 _STATE_ATTR = "_treespec_accuracy"
 TREE_ATTR = "treespec_tree_batch"
@@ -158,6 +179,11 @@ def check_capture_config(cfg: dict[str, Any]) -> dict[str, Any]:
         v = cfg.get(key)
         if v is not None and (isinstance(v, str) or not all(isinstance(x, str) and x for x in v)):
             raise ValueError(f"tensor_capture.{key} must be a list of non-empty strings: {v!r}")
+    if not isinstance(cfg.get("async_writes", True), bool):
+        raise ValueError(f"tensor_capture.async_writes must be a bool: {cfg['async_writes']!r}")
+    mp = cfg.get("max_pending", 64)
+    if isinstance(mp, bool) or not isinstance(mp, int) or mp < 1:
+        raise ValueError(f"tensor_capture.max_pending must be an int >= 1: {mp!r}")
     if not cfg.get("modules") and not cfg.get("draft_modules"):
         raise ValueError("tensor_capture: modules (or draft_modules) must list something")
     check_writable(cfg["capture_dir"], "tensor_capture.capture_dir")
@@ -287,41 +313,83 @@ def _expected_features(model: nn.Module, name: str, hidden: int, vocab: int) -> 
 
 class _AsyncWrites:
     """Capture writes on a background thread, so the disk I/O of step ``s`` overlaps the
-    sampling, scheduling and forward of the next steps. :meth:`flush` waits for every
-    submitted write (and re-raises the first error); the runner flushes before a step
-    whose batch may finish a request returns, so a request's captures are complete on
-    disk when its output reaches the user."""
+    sampling, scheduling and forward of the next steps.
 
-    def __init__(self) -> None:
+    The forward only hands over tensors it owns (the hooks' stacks and clones, copied off
+    an accelerator) and the pass's metadata; a bounded queue (``max_pending`` passes)
+    blocks the forward when the disk falls behind, so memory stays bounded. A failed
+    write is kept and re-raised, as ``RuntimeError`` naming the pass and the file, by the
+    next :meth:`submit` and by :meth:`flush`; once one write failed, later ones are not
+    attempted (so no pass after a missing one lands on disk). :meth:`flush` waits for
+    every submitted write. The runner flushes before a step that may finish a request
+    returns (a request's captures are complete on disk when its output reaches the
+    user), :func:`flush_captures` flushes every writer of this process, and an
+    ``atexit`` hook flushes at interpreter exit (engine shutdown).
+    """
+
+    def __init__(self, max_pending: int = 64) -> None:
         import queue
         import threading
 
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="treespec-capture", daemon=True)
         self._thread.start()
+        _WRITERS.add(self)
 
     def _run(self) -> None:
         while True:
-            fn = self._q.get()
+            what, fn = self._q.get()
             try:
                 if self._error is None:
                     fn()
-            except BaseException as e:  # surfaced by flush()
-                self._error = e
+            except BaseException as e:  # surfaced by submit() / flush()
+                err = RuntimeError(f"treespec capture: writing {what} failed: {e}")
+                err.__cause__ = e
+                self._error = err
             finally:
                 self._q.task_done()
 
-    def submit(self, fn: Callable[[], Any]) -> None:
-        if self._error is not None:
-            self.flush()
-        self._q.put(fn)
-
-    def flush(self) -> None:
-        self._q.join()
+    def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+    def submit(self, fn: Callable[[], Any], what: str = "a capture pass") -> None:
+        """Queue ``fn`` (one pass's write; ``what`` names it in errors); raises the
+        error of an earlier write first."""
+        self._raise()
+        self._q.put((what, fn))
+
+    def flush(self) -> None:
+        """Wait for every queued write; raise the first error (RuntimeError)."""
+        self._q.join()
+        self._raise()
+
+
+_WRITERS: weakref.WeakSet[_AsyncWrites] = weakref.WeakSet()
+
+
+def flush_captures() -> None:
+    """Wait until every capture pass queued in this process is on disk (raises the first
+    write error). Readers in the engine's process call it before reading; an offline
+    ``LLM``'s captures are already flushed when ``generate`` returns."""
+    errors = []
+    for w in list(_WRITERS):
+        try:
+            w.flush()
+        except RuntimeError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    try:
+        flush_captures()
+    except RuntimeError as e:  # nothing left to raise into at exit
+        logger.error("%s", e)
 
 
 # ----------------------------------------------------------------------------- runner state
@@ -343,6 +411,8 @@ class _RunnerState:
     handles: list[Any] = field(default_factory=list)
     warmup_stats: dict[str, int] = field(default_factory=dict)
     writes: _AsyncWrites | None = None
+    async_writes: bool = True
+    seq: int = 0
 
 
 def compile_stats() -> dict[str, int]:
@@ -689,7 +759,9 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
     tree_md = None
     if tree is not None:
         raw = tree.pop("raw")
-        extra["tree_batch"] = {k: raw[k] for k in ("req_ids", "parents", "tokens", "prefix_lens")}
+        extra["tree_batch"] = copy.deepcopy(  # written later, on the writer thread
+            {k: raw[k] for k in ("req_ids", "parents", "tokens", "prefix_lens")}
+        )
         ib = runner.input_batch
         extra["tree_context"] = {  # committed tokens before each tree's root (position P)
             rid: ib.token_ids_cpu[i, : meta["num_computed_tokens"][i] + 1].tolist()
@@ -698,13 +770,22 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
         }
         if len(tree["parents"]) == meta["num_real"]:  # every real slot is a tree node
             tree_md = tree
-    meta["seq"] = cap.writer._seq
+    meta["seq"] = st.seq
     items = cap.registry.get_all()
     TensorRegistry._instance, cap._prev_instance = cap._prev_instance, None
     if not items:
         return
+    # the forward's outputs may live in reused buffers on an accelerator (CUDA graphs):
+    # copy them (asynchronously, on the device) before the next step; CPU tensors are
+    # already the hooks' own stacks / clones
+    items = [(n, t if t.device.type == "cpu" else t.clone()) for n, t in items]
     if st.writes is None:
-        st.writes = _AsyncWrites()
+        st.writes = _AsyncWrites(st.cfg["tensor_capture"].get("max_pending", 64))
+    what = (
+        f"capture pass {st.seq} ({'prefill' if meta['is_prefill'] else 'decode'}, "
+        f"{slots} slots) under {os.path.join(cap.writer.capture_dir, f'dp{cap.writer.dp_rank}')}"
+    )
+    st.seq += 1
     st.writes.submit(
         functools.partial(
             cap.writer.write,
@@ -717,7 +798,8 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
             padding_mask=padding,
             token_ids=token_ids,
             extra=extra,
-        )
+        ),
+        what,
     )
 
 
@@ -726,8 +808,8 @@ def _wrap_execute_model(runner, orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def execute_model(scheduler_output, *args, **kwargs):
-        if st.writes is not None:
-            st.writes.flush()
+        if st.writes is not None and not st.async_writes:
+            st.writes.flush()  # "async_writes": False: a pass is on disk before the next
         st.scheduler_output = scheduler_output
         if st.replacer is not None:
             for new in scheduler_output.scheduled_new_reqs:
@@ -801,7 +883,9 @@ def _init_runner(runner) -> None:
         return
     if "tensor_capture" in cfg:
         check_capture_config(cfg["tensor_capture"])
-    setattr(runner, _STATE_ATTR, _RunnerState(cfg))
+    st = _RunnerState(cfg)
+    st.async_writes = bool(cfg.get("tensor_capture", {}).get("async_writes", True))
+    setattr(runner, _STATE_ATTR, st)
     runner.load_model = _wrap_load_model(runner, runner.load_model)
     runner.execute_model = _wrap_execute_model(runner, runner.execute_model)
     runner._model_forward = _wrap_model_forward(runner, runner._model_forward)
@@ -821,6 +905,17 @@ def _patch_worker(cls) -> None:
 
     compile_or_warm_up_model._treespec_accuracy = True
     cls.compile_or_warm_up_model = compile_or_warm_up_model
+    orig_shutdown = getattr(cls, "shutdown", None)
+    if orig_shutdown is not None:
+
+        @functools.wraps(orig_shutdown)
+        def shutdown(self, *args, **kwargs):
+            st = getattr(getattr(self, "model_runner", None), _STATE_ATTR, None)
+            if st is not None and st.writes is not None:
+                st.writes.flush()  # engine shutdown: every queued pass reaches the disk
+            return orig_shutdown(self, *args, **kwargs)
+
+        cls.shutdown = shutdown
 
 
 def _patch_config_check() -> None:
@@ -883,6 +978,7 @@ __all__ = [
     "accuracy_config",
     "check_capture_config",
     "enable_capture",
+    "flush_captures",
     "register",
     "replacement_config",
 ]

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +42,6 @@ MANIFEST_NAME = "manifest.json"
 _FWD_DIR_RE = re.compile(r"^(prefill|decode)_([sb])(\d+)_(\d+)$")
 _RANK_FILE_RE = re.compile(r"^rank(\d+)\.(safetensors|pt)$")
 _TENSOR_KEY = "tensor"
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 @dataclass
@@ -262,18 +259,38 @@ def check_capture_name(name: str) -> str:
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same directory + os.replace."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    """Write ``data`` to ``path`` through a temp file in the same directory + os.replace.
+
+    The temp name carries the process and thread id (one writer per name at a time) and
+    is created ``O_EXCL`` with mode 0666 less the umask (the mode of a plain ``open``);
+    the directory is created only when missing. A failure removes the temp file and
+    raises ``OSError`` naming ``path``.
+    """
+    import threading
+
+    d, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(d, f".tmp-{os.getpid()}-{threading.get_ident()}-{base}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileNotFoundError:
+            os.makedirs(d, exist_ok=True)
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # a stale temp file of a killed writer with this pid
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, 0o666)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; use the usual mode
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
         raise
 
 
