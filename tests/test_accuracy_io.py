@@ -381,3 +381,22 @@ def test_remove_and_attach_hooks(tmp_path):
     cap.attach()  # idempotent
     assert len(cap._hooks) == 1
     TensorRegistry.reset_instance()
+
+
+def test_atomic_write_mode_directories_and_errors_naming_the_file(tmp_path):
+    import stat
+
+    import accuracy.tensor_io as tio
+
+    path = tmp_path / "new" / "dir" / "rank0.safetensors"
+    tio.atomic_write_bytes(str(path), b"abc")  # missing directories are made
+    assert path.read_bytes() == b"abc"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # a plain open()'s mode
+    tio.atomic_write_bytes(str(path), b"de")  # replaced in place
+    assert path.read_bytes() == b"de"
+    assert os.listdir(path.parent) == ["rank0.safetensors"]  # no temp file left
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match=f"cannot write {tmp_path}/file/sub/rank0.safetensors"):
+        tio.atomic_write_bytes(str(tmp_path / "file" / "sub" / "rank0.safetensors"), b"x")
