@@ -338,6 +338,7 @@ class _AsyncWrites:
         _WRITERS.add(self)
 
     def _run(self) -> None:
+        _spread_affinity()
         while True:
             what, fn = self._q.get()
             try:
@@ -368,6 +369,28 @@ class _AsyncWrites:
 
 
 _WRITERS: weakref.WeakSet[_AsyncWrites] = weakref.WeakSet()
+# the CPUs this process could use when the plugin was loaded, before vLLM's CPU worker
+# bound its threads (``VLLM_CPU_OMP_THREADS_BIND``); threads started later inherit that
+# binding
+_START_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _spread_affinity() -> None:
+    """Let the calling (writer) thread run on the CPUs the worker's binding left free
+    (those the process had at start-up, less the ones it is bound to now), so that the
+    disk writes do not take turns with the forward on its own core. No-op when none are
+    free or the platform has no thread affinity."""
+    if not _START_CPUS or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        bound = os.sched_getaffinity(0)
+        free = [c for c in _START_CPUS if c not in bound]
+        if not free:  # loaded after the binding: try the machine's other CPUs
+            free = [c for c in range(os.cpu_count() or 1) if c not in bound]
+        if free:
+            os.sched_setaffinity(0, free)  # pid 0: the calling thread only
+    except OSError as e:  # pragma: no cover - a restricted container
+        logger.debug("treespec capture: writer thread affinity unchanged (%s)", e)
 
 
 def flush_captures() -> None:
@@ -830,8 +853,8 @@ def _may_finish(runner, output: Any) -> bool:
     for i, rid in enumerate(req_ids):
         rs = runner.requests.get(rid)
         sp = getattr(rs, "sampling_params", None)
-        if sp is None or sp.max_tokens is None:
-            return True
+        if sp is None or sp.max_tokens is None or getattr(sp, "stop", None):
+            return True  # stop strings finish a request in the front end, unseen here
         toks = list(sampled[i]) if i < len(sampled) else []
         if set(toks) & set(sp.all_stop_token_ids or ()):
             return True
