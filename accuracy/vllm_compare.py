@@ -344,6 +344,9 @@ def run_vllm(
     )
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     outs = llm.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    from .in_vllm import flush_captures
+
+    flush_captures()  # an in-process engine's background writes (no-op otherwise)
     del llm
     return [list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs]
 
