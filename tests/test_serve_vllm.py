@@ -12,6 +12,7 @@ this target).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -45,17 +46,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def vsrv(tmp_path_factory):
+@contextlib.contextmanager
+def serve_vllm(log: Path, *flags: str, env: dict[str, str | None] | None = None):
+    """``python serve.py --engine vllm --port P ... FLAGS`` in a subprocess, logging to
+    ``log``; yields its base URL once ``/health`` answers, stops it afterwards. ``env``
+    overrides this environment (None: the variable unset)."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
     argv = [sys.executable, str(ROOT / "serve.py"), "--engine", "vllm", "--port", str(port)]
     argv += ["--model", str(SET), "--draft-model", str(SET / "draft"), "--tree", TREE]
-    argv += ["--max-model-len", str(MAX_LEN), "--max-batch", "16", "--enforce-eager"]
-    argv += ["--log-level", "warning"]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--log-level", "warning"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(
+            [*argv, *flags], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + START_TIMEOUT_S
@@ -76,6 +81,12 @@ def vsrv(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vsrv(tmp_path_factory):
+    with serve_vllm(tmp_path_factory.mktemp("vllm") / "server.log", "--max-batch", "16") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,21 @@
 """``serve.py --engine vllm`` serving a tree with the target sharded over two ranks (issue 18).
 
-vLLM's own OpenAI server (``python serve.py --engine vllm ... -- --tensor-parallel-size 2``:
-vLLM's flags go after ``--``, see docs/serve.md) on the committed tiny set, the committed
-draft LM grown into a top-K tree by the plugin, one core per rank
-(``VLLM_CPU_OMP_THREADS_BIND="0|1"``), eager mode, 1 GiB of KV cache. Its greedy
+vLLM's own OpenAI server (``python serve.py --engine vllm ... --tensor-parallel-size 2``)
+on the committed tiny set, the committed draft LM grown into a top-K tree by the plugin,
+one core per rank (``VLLM_CPU_OMP_THREADS_BIND`` unset: serve.py binds a core group per
+rank), eager mode, 1 GiB of KV cache. Its greedy
 completions through the openai client must equal the offline TP=1 greedy output (the
 project's engine decoding the target plainly, the reference of test_serve_vllm.py). vLLM's
 development endpoints (``VLLM_SERVER_DEV_MODE=1``) let the test ask both ranks for the
 plugin's statistics (``/collective_rpc``): two ranks, the same trees, accepted drafts.
 
 Marked slow (127 s here, nearly all the TP=2 server's start): the default run covers its
-parts, trees under TP=2 (test_vllm_tp.py), serving trees (test_serve_vllm.py) and the words
-after ``--`` reaching vLLM (test_serve.py). Run it with
+parts, trees under TP=2 (test_vllm_tp.py), serving trees (test_serve_vllm.py) and the
+``--tensor-parallel-size`` flag and core binding reaching vLLM (test_serve.py). Run it with
 ``pytest -m slow tests/test_serve_vllm_tp.py``.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -28,16 +23,11 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
 
 from tests.test_serve_vllm import (  # noqa: E402
-    MAX_LEN,
     NAME,
-    ROOT,
-    SET,
-    START_TIMEOUT_S,
     TEXTS,
-    TREE,
     _client,
-    _free_port,
     offline,  # noqa: F401 - the fixture
+    serve_vllm,
 )
 
 TP = 2
@@ -46,36 +36,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tpsrv(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("vllm_tp") / "server.log"
-    argv = [sys.executable, str(ROOT / "serve.py"), "--engine", "vllm", "--port", str(port)]
-    argv += ["--model", str(SET), "--draft-model", str(SET / "draft"), "--tree", TREE]
-    argv += ["--max-model-len", str(MAX_LEN), "--max-batch", "4", "--enforce-eager"]
-    argv += ["--log-level", "warning", "--", "--tensor-parallel-size", str(TP)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc: the ranks' plugin statistics
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"serve.py exited:\n{log.read_text()[-4000:]}"
-            assert time.time() < deadline, f"no /health in {START_TIMEOUT_S}s:\n{log.read_text()}"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc: the ranks' plugin statistics
+        "VLLM_CPU_OMP_THREADS_BIND": None,  # serve.py's default: a core group per rank
+    }
+    with serve_vllm(log, "--max-batch", "4", "--tensor-parallel-size", str(TP), env=env) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _rank_stats(base: str) -> list[dict]:
