@@ -338,7 +338,6 @@ class _AsyncWrites:
         _WRITERS.add(self)
 
     def _run(self) -> None:
-        _spread_affinity()
         while True:
             what, fn = self._q.get()
             try:
@@ -369,28 +368,6 @@ class _AsyncWrites:
 
 
 _WRITERS: weakref.WeakSet[_AsyncWrites] = weakref.WeakSet()
-# the CPUs this process could use when the plugin was loaded, before vLLM's CPU worker
-# bound its threads (``VLLM_CPU_OMP_THREADS_BIND``); threads started later inherit that
-# binding
-_START_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
-def _spread_affinity() -> None:
-    """Let the calling (writer) thread run on the CPUs the worker's binding left free
-    (those the process had at start-up, less the ones it is bound to now), so that the
-    disk writes do not take turns with the forward on its own core. No-op when none are
-    free or the platform has no thread affinity."""
-    if not _START_CPUS or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        bound = os.sched_getaffinity(0)
-        free = [c for c in _START_CPUS if c not in bound]
-        if not free:  # loaded after the binding: try the machine's other CPUs
-            free = [c for c in range(os.cpu_count() or 1) if c not in bound]
-        if free:
-            os.sched_setaffinity(0, free)  # pid 0: the calling thread only
-    except OSError as e:  # pragma: no cover - a restricted container
-        logger.debug("treespec capture: writer thread affinity unchanged (%s)", e)
 
 
 def flush_captures() -> None:
