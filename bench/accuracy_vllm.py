@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from tree_dev.testing import shutdown_engine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "checkpoints", "stdlib-v1", "target")
 PROMPTS = [
@@ -75,17 +77,6 @@ def _time(llm, prompts: list[str], n: int) -> float:
     return time.perf_counter() - t
 
 
-def _shutdown(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort, the engine is dropped anyway
-        pass
-    del llm
-    gc.collect()
-
-
 def overhead(reps: int, max_tokens: int, rounds: int = 1) -> dict:
     """Decode ms/step of a plain engine, a capturing engine writing synchronously (each
     pass on disk before the next step) and one writing on a background thread (the
@@ -115,7 +106,7 @@ def overhead(reps: int, max_tokens: int, rounds: int = 1) -> dict:
                         first = _time(llm, prompts, 1)
                         ms = 1e3 * (full - first) / (max_tokens - 1)
                         per[str(batch)][mode].append(ms)
-                _shutdown(llm)
+                shutdown_engine(llm)
                 dp0 = os.path.join(caps, "dp0")
                 if os.path.isdir(dp0):
                     passes[mode] = passes.get(mode, 0) + len(os.listdir(dp0))

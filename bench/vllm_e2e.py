@@ -25,11 +25,11 @@ Writes ``results/vllm_e2e.json`` and ``results/vllm_e2e.png``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
 import time
 from pathlib import Path
+
+from tree_dev.testing import shutdown_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -143,10 +143,7 @@ def run_engine(cfg: dict, prompts: list[list[int]], max_tokens: int) -> dict:
             }
             print(f"  {cfg['name']:45s} {label} T={temp}: {n_out / dt:7.1f} tok/s", flush=True)
     finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        shutdown_engine(llm)
     return res
 
 

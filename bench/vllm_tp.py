@@ -23,11 +23,11 @@ Writes ``results/vllm_tp.json`` and ``results/vllm_tp.png``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
 import time
 from pathlib import Path
+
+from tree_dev.testing import shutdown_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -134,10 +134,7 @@ def run_engine(cfg: dict, tp: int, prompts: list[list[int]], max_tokens: int, ea
             res["scenarios"][label] = row
             print(f"  TP={tp} {cfg['name']:40s} {label}: {n_out / dt:7.1f} tok/s", flush=True)
     finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        shutdown_engine(llm)
     return res
 
 

@@ -6,10 +6,10 @@ are computed once per session and mode (eager or compiled) by ``plain_outputs``.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 from pathlib import Path
+
+from tree_dev.testing import shutdown_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -58,12 +58,7 @@ def make_llm(enforce_eager: bool = True, **kw):
     return LLM(**args)
 
 
-def shutdown(llm) -> None:
-    """Stop an engine's processes now (not at interpreter exit)."""
-    with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+shutdown = shutdown_engine  # the modules' name for it
 
 
 def generate(llm, prompts: list[list[int]], params) -> list[list[int]]:

@@ -106,3 +106,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def shutdown_engine(llm) -> None:
+    """Stop a ``vllm.LLM``'s engine processes now (not at interpreter exit), best effort."""
+    import contextlib
+    import gc
+
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
