@@ -69,3 +69,17 @@ def test_without_onednn_nothing_changes(monkeypatch):
     monkeypatch.setattr(mod, "_LINEAR", None)
     layer = torch.nn.Linear(8, 8)
     assert use_onednn_linears(layer) == 0 and "forward" not in layer.__dict__
+
+
+@pytest.mark.parametrize(
+    "capability, want",
+    [("AVX512", True), ("AVX512_BF16", True), ("AVX2", False), ("DEFAULT", False)],
+)
+def test_faster_only_on_avx512(monkeypatch, capability: str, want: bool):
+    """oneDNN is chosen by default only where torch runs AVX-512 code (on AVX2-only
+    CPUs it measured slower than MKL), and never without oneDNN."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(mod, "onednn_available", lambda: True)
+    assert mod.onednn_faster() is want
+    monkeypatch.setattr(mod, "onednn_available", lambda: False)
+    assert mod.onednn_faster() is False

@@ -1,9 +1,12 @@
 """fp32 ``nn.Linear`` layers of a CPU model through oneDNN instead of MKL.
 
-PyTorch's CPU ``linear`` calls MKL's SGEMM, which on AMD CPUs runs its AVX2 code:
-about 107 GFLOP/s on one core of this machine, where oneDNN's fp32 GEMM (AVX-512)
-runs 226. A tree verify forward feeds every linear layer ``N`` rows (one per tree
-node) and is GEMM bound, so it gains; a single-token decode step (one row) is
+PyTorch's CPU ``linear`` calls MKL's SGEMM, which on AMD CPUs runs its AVX2 code
+even where the CPU has AVX-512: about 107 GFLOP/s on one core of such a machine,
+where oneDNN's fp32 GEMM (AVX-512) runs 226. On a CPU without AVX-512 oneDNN has no
+such edge and was measured slower (0.66-0.95x MKL for this project's layer shapes at
+5-64 rows on an AVX2-only EPYC), so ``onednn_faster()`` says whether to switch.
+A tree verify forward feeds every linear layer ``N`` rows (one per tree node) and
+is GEMM bound, so it gains on AVX-512; a single-token decode step (one row) is
 memory bound and MKL is as fast there, so layers called with fewer than
 ``min_rows`` rows keep ``F.linear``. Same fp32 arithmetic (no reduced-precision
 shortcut); only the summation order differs, by rounding.
@@ -19,7 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-__all__ = ["onednn_available", "restore_linears", "use_onednn_linears"]
+__all__ = ["onednn_available", "onednn_faster", "restore_linears", "use_onednn_linears"]
 
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 MIN_ROWS = 4  # fewer rows: memory bound, MKL is as fast (measured here)
@@ -28,6 +31,12 @@ MIN_ROWS = 4  # fewer rows: memory bound, MKL is as fast (measured here)
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN's linear op."""
     return _LINEAR is not None and torch.backends.mkldnn.is_available()
+
+
+def onednn_faster() -> bool:
+    """Whether oneDNN's fp32 GEMM is expected to beat MKL's here: oneDNN is available
+    and torch runs this CPU's AVX-512 code (``torch.backends.cpu.get_cpu_capability``)."""
+    return onednn_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
