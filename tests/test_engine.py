@@ -207,19 +207,48 @@ def test_bad_input_fails_before_any_work(models):
     assert not engine.has_work()
 
 
-def test_onednn_linears_switched_unless_disabled():
-    """The engine routes the models' fp32 linears through oneDNN (multi-row GEMMs),
-    and leaves them alone with ``onednn_linear=False``."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_target_logits_name_the_request(models, monkeypatch, bad: float):
+    """A NaN or infinite logit at any tree node of one request stops the step with a
+    ``RuntimeError`` naming that request (the walk would pick garbage), not another."""
+    target, _, draft = models
+    engine = Engine(target, draft, tree="chain:3", max_batch=2)
+    ids = [engine.add_request([1, 2, 3]), engine.add_request([4, 5, 6, 7])]
+    real = engine.runner.forward
+
+    def poisoned(*args, **kw):
+        hidden, logits = real(*args, **kw)
+        if logits is not None and logits.shape[0] == 8:  # the verify: 2 trees x 4 nodes
+            logits = logits.clone()
+            logits[6, 17] = bad  # node 2 of the second request's tree
+        return hidden, logits
+
+    monkeypatch.setattr(engine.runner, "forward", poisoned)
+    with pytest.raises(RuntimeError, match=rf"non-finite logits for requests \[{ids[1]}\]"):
+        engine.step()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_onednn_linears_switched_where_faster(monkeypatch, faster: bool):
+    """By default the engine routes the models' fp32 linears through oneDNN exactly
+    where ``onednn_faster()`` (AVX-512 CPUs); ``onednn_linear=True`` / ``False`` force
+    it on / off."""
+    import tree_dev.engine as engine_mod
     from tree_dev.onednn_linear import onednn_available
 
+    monkeypatch.setattr(engine_mod, "onednn_faster", lambda: faster)
+    switched = lambda m: [n for n, x in m.named_modules() if "forward" in x.__dict__]  # noqa: E731
     target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
     Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64, onednn_linear=False)
-    switched = lambda m: [n for n, x in m.named_modules() if "forward" in x.__dict__]  # noqa: E731
     assert switched(target) == [] and switched(draft) == []
-    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64)
     n_linear = sum(isinstance(x, torch.nn.Linear) for x in target.modules())
-    want = n_linear if onednn_available() else 0  # torch builds without oneDNN: untouched
+    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64)
+    want = n_linear if faster and onednn_available() else 0
     assert n_linear > 0 and len(switched(target)) == want and len(switched(draft)) == want
+    target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
+    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64, onednn_linear=True)
+    want = n_linear if onednn_available() else 0  # torch builds without oneDNN: untouched
+    assert len(switched(target)) == want and len(switched(draft)) == want
 
 
 def test_plain_decoding_runs_no_tree_kernel(models, prompts_and_greedy, monkeypatch):
@@ -330,19 +359,28 @@ def test_greedy_proof_fails_without_the_tree_mask(models, prompts_and_greedy, sp
     def chain_masks(trees, device):
         return TreeBatch([TokenTree.chain(t.num_nodes - 1) for t in trees], device=device)
 
-    monkeypatch.setattr(engine_mod, "_batch_of", chain_masks)
+    def chain_mask(tree):
+        return torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
+
+    monkeypatch.setattr(engine_mod, "_batch_of", chain_masks)  # the tree kernel's path
+    monkeypatch.setattr(engine_mod, "_visible", chain_mask)  # the row path's
     engine = Engine(target, draft, tree=spec, max_batch=16)
     got = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert sum(g != w for g, w in zip(got, want)) > 0
 
 
-def test_small_forward_rows_equal_tree_attention():
-    """A draft level through the row path (one masked SDPA call per request over its
-    prefix + tree) computes what the tree-attention path computes."""
-    from tree_dev.engine import ROW_PATH_NODES, Runner
+def test_small_forward_rows_equal_tree_attention(monkeypatch):
+    """The row path (one masked SDPA call per request over its prefix + tree) computes
+    what the tree-attention kernel computes: draft levels (a few new nodes below
+    cached ones) and, on the CPU's torch backend, whole verify trees of up to
+    ``ROW_PATH_TREE_NODES`` nodes; the kernel runs only when the path is forced."""
+    import kernels
+    from tree_dev.engine import ROW_PATH_TREE_NODES, Runner
+    from tree_dev.testing import random_tree
 
     model = tiny_llama(4)
-    runner = Runner(model, 2, 2, 16, 32, 4, "torch")
+    runner = Runner(model, 2, 2, 16, 64, 4, "torch")
+    assert runner.row_nodes == ROW_PATH_TREE_NODES
     from tree_dev.attention import register
 
     register()
@@ -350,26 +388,31 @@ def test_small_forward_rows_equal_tree_attention():
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 14)]
     runner.prefill([0, 1], [0, 0], prompts)
-    trees = [tree_of_parents((-1, 0, 0, 1, 1)), tree_of_parents((-1, 0, 1, 1))]
-    new_nodes = [[0, 1, 2], [0, 1, 2, 3]]  # root + first level, and a whole small tree
-    tokens = torch.randint(0, VOCAB, (7,), generator=gen).tolist()
-    h_rows, l_rows = runner.forward([0, 1], [9, 14], trees, new_nodes, tokens)
-    later = [[3, 4], [3]]  # the next level: masked rows below computed nodes
-    h2_rows, _ = runner.forward([0, 1], [9, 14], trees, later, [5, 6, 7])
-    assert max(map(len, new_nodes)) <= ROW_PATH_NODES  # these took the row path
-    # the same through the tree kernel: force it by lifting the row path's limit
-    import tree_dev.engine as engine_mod
-
-    old = engine_mod.ROW_PATH_NODES
-    engine_mod.ROW_PATH_NODES = 0
-    try:
+    small = [tree_of_parents((-1, 0, 0, 1, 1)), tree_of_parents((-1, 0, 1, 1))]
+    big = [random_tree(23, seed=3), random_tree(ROW_PATH_TREE_NODES, seed=4)]
+    cases = [
+        # root + first level, and a whole small tree; then the next level below them
+        (small, [[0, 1, 2], [0, 1, 2, 3]]),
+        (small, [[3, 4], [3]]),
+        (big, None),  # verify forwards of whole trees
+    ]
+    calls = []
+    real = kernels.tree_attention
+    monkeypatch.setattr(kernels, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for trees, new_nodes in cases:
+        n_new = [t.num_nodes for t in trees] if new_nodes is None else list(map(len, new_nodes))
+        tokens = torch.randint(0, VOCAB, (sum(n_new),), generator=gen).tolist()
+        runner.row_nodes = ROW_PATH_TREE_NODES
+        h_rows, l_rows = runner.forward([0, 1], [9, 14], trees, new_nodes, tokens)
+        assert calls == []  # the row path
+        runner.row_nodes = 0  # force the tree kernel
         h_tree, l_tree = runner.forward([0, 1], [9, 14], trees, new_nodes, tokens)
-        h2_tree, _ = runner.forward([0, 1], [9, 14], trees, later, [5, 6, 7])
-    finally:
-        engine_mod.ROW_PATH_NODES = old
-    torch.testing.assert_close(h_rows, h_tree, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(l_rows, l_tree, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(h2_rows, h2_tree, rtol=1e-4, atol=1e-4)
+        assert calls
+        calls.clear()
+        # fp32 attention over <= 100 keys, then 2 layers: summation-order rounding ~1e-6
+        torch.testing.assert_close(h_rows, h_tree, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(l_rows, l_tree, rtol=1e-4, atol=1e-4)
+    assert Runner(model, 2, 2, 16, 8, 4, "reference").row_nodes < ROW_PATH_TREE_NODES
 
 
 def tree_of_parents(parents):

@@ -49,7 +49,8 @@ from kernels.reference import target_probs
 from kernels.torchops.tree_walk import sample_inverse_cdf
 from tree_dev.attention import TreeForward, register
 from tree_dev.kv_cache import PagedKVCache
-from tree_dev.onednn_linear import use_onednn_linears
+from tree_dev.lean_forward import lean_supported, llama_forward
+from tree_dev.onednn_linear import onednn_faster, use_onednn_linears
 from tree_dev.proposer import expansion_for, ngram_trie, tree_of
 from tree_dev.spec import (
     HybridPolicy,
@@ -62,6 +63,7 @@ from tree_dev.spec import (
 from tree_dev.tree import TokenTree, TreeBatch
 
 PREFILL_CHUNK = 256
+_ROOT_ONLY = TokenTree.chain(0)  # plain decoding's tree (immutable, its properties cached)
 
 
 @lru_cache(maxsize=1024)
@@ -69,11 +71,28 @@ def _batch_of(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
     return TreeBatch(list(trees), device=device)
 
 
+@lru_cache(maxsize=1024)
+def _walk_batch(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
+    """The walk's ``TreeBatch`` (cached apart from the verify forward's)."""
+    return TreeBatch(list(trees), device=device)
+
+
 TRUNK_LIMIT = 32  # catch-up chains up to this long ride along in the draft's first level
 # forwards of at most this many new nodes per request and in all attend row by row
-# (one SDPA call per row and layer, no tree plan): decode steps and draft levels
+# (one masked SDPA call per request and layer, no tree plan): decode steps and draft
+# levels on every backend; with the torch backend on the CPU also tree verifies of up
+# to ROW_PATH_TREE_NODES nodes, where one SDPA call over the request's cache view with
+# the tree's mask (built once per forward) measured about half the torch tree kernel's
+# time per layer (107-171 vs 210-358 us, 5-33 nodes after 150 cached tokens)
 ROW_PATH_NODES = 4
 ROW_PATH_ROWS = 16
+ROW_PATH_TREE_NODES = 64
+ROW_PATH_TREE_ROWS = 512
+
+
+def _visible(tree: TokenTree) -> torch.Tensor:
+    """``bool [N, N]``: node i sees node j (j is i or an ancestor): the row path's mask."""
+    return tree.ancestor_mask
 
 
 # --------------------------------------------------------------------------- requests
@@ -193,6 +212,9 @@ class Runner:
             num_layers, num_blocks, block_size, kv_heads, head_dim, p.dtype, p.device
         )
         self.device = p.device
+        cpu_torch = self.device.type == "cpu" and backend in ("auto", "torch")
+        self.row_nodes = ROW_PATH_TREE_NODES if cpu_torch else ROW_PATH_NODES
+        self.row_rows = ROW_PATH_TREE_ROWS if cpu_torch else ROW_PATH_ROWS
 
     @torch.inference_mode()
     def forward(
@@ -222,8 +244,8 @@ class Runner:
             ``logits [len(logit_rows) or T_new, V]`` (None unless ``want_logits``).
         """
         nodes_per = [range(t.num_nodes) for t in trees] if new_nodes is None else new_nodes
-        if max(len(n) for n in nodes_per) <= ROW_PATH_NODES and sum(map(len, nodes_per)) <= (
-            ROW_PATH_ROWS
+        if max(len(n) for n in nodes_per) <= self.row_nodes and sum(map(len, nodes_per)) <= (
+            self.row_rows
         ):
             return self._forward_rows(
                 req_ids, prefix_lens, trees, nodes_per, tokens, feats, want_logits, logit_rows
@@ -272,7 +294,7 @@ class Runner:
             mask = None
             if len(nodes) > 1 or depth[last] != last:  # else: a chain's last node
                 mask = torch.ones(len(nodes), plen + last + 1, dtype=torch.bool)
-                mask[:, plen:] = tree.ancestor_mask[list(nodes), : last + 1]
+                mask[:, plen:] = _visible(tree)[list(nodes), : last + 1]
                 mask = mask.to(self.device)
             kv.append((cache.causal_slots(rid, plen + last + 1), mask))
         ctx = TreeForward(
@@ -295,11 +317,17 @@ class Runner:
         m = self.model
         if self.eagle:  # EagleHead.forward, with the lm_head on the wanted rows only
             z = m.fc(torch.cat([m.embed(ids), feats[None].to(m.fc.weight.dtype)], -1))
-            out = m.decoder(inputs_embeds=z, position_ids=pos, use_cache=False, tree_ctx=ctx)
-            hidden, head = out.last_hidden_state[0], m.lm_head
+            if lean_supported(m.decoder):
+                hidden = llama_forward(m.decoder, pos, ctx, inputs_embeds=z)[0]
+            else:
+                out = m.decoder(inputs_embeds=z, position_ids=pos, use_cache=False, tree_ctx=ctx)
+                hidden = out.last_hidden_state[0]
+        elif lean_supported(m.model):
+            hidden = llama_forward(m.model, pos, ctx, input_ids=ids)[0]
         else:
             out = m.model(input_ids=ids, position_ids=pos, use_cache=False, tree_ctx=ctx)
-            hidden, head = out.last_hidden_state[0], m.lm_head
+            hidden = out.last_hidden_state[0]
+        head = m.lm_head
         if not want_logits:
             return hidden, None
         return hidden, head(hidden if logit_rows is None else hidden[logit_rows])
@@ -374,7 +402,8 @@ class Engine:
             deterministic top-ranked children verified with ``target_only``.
         onednn_linear: route the models' fp32 CPU linear layers through oneDNN for
             multi-row inputs (tree verify, prefill; see ``tree_dev.onednn_linear``).
-            Switches the given models' layers in place.
+            Switches the given models' layers in place. Default (None): where
+            ``onednn_faster()`` (a CPU with AVX-512), else MKL's ``F.linear``.
     """
 
     def __init__(
@@ -389,7 +418,7 @@ class Engine:
         block_size: int = 16,
         eos_token_id: int | None = None,
         draft_sampling: bool = False,
-        onednn_linear: bool = True,
+        onednn_linear: bool | None = None,
     ):
         self.policy: Policy = parse_tree_spec(tree)
         if draft_sampling and not isinstance(self.policy, StaticPolicy):
@@ -459,6 +488,8 @@ class Engine:
                 kernel_backend,
                 eagle=eagle is not None,
             )
+        if onednn_linear is None:
+            onednn_linear = onednn_faster()
         if onednn_linear:
             for model in (target, drafter):
                 if model is not None:
@@ -574,7 +605,7 @@ class Engine:
     # ----------------------------------------------------------------- drafting
     def _propose(self, batch: list[Request]) -> list[Proposal]:
         if isinstance(self.policy, NoDraftPolicy):
-            return [Proposal(TokenTree.chain(0), [r.root]) for r in batch]
+            return [Proposal(_ROOT_ONLY, [r.root]) for r in batch]
         if isinstance(self.policy, NgramPolicy):
             return [Proposal(*ngram_trie(r.prompt + r.output, self.policy)) for r in batch]
         dr = self.draft_runner
@@ -642,23 +673,24 @@ class Engine:
         logits: torch.Tensor,
     ) -> list[StepOutput]:
         sizes = [p.tree.num_nodes for p in proposals]
-        if not bool(torch.isfinite(logits).all()):  # the one walk check the engine can't rule out
+        # the one walk check the engine can't rule out; a finite sum means every logit is
+        # finite (an inf or NaN makes it inf or NaN), the full check only when it is not
+        if not bool(torch.isfinite(logits.sum())) and not bool(torch.isfinite(logits).all()):
             bad = [r.req_id for r, x in zip(batch, logits.split(sizes)) if not x.isfinite().all()]
             raise RuntimeError(f"target produced non-finite logits for requests {bad}")
+        if all(n == 1 for n in sizes):
+            return self._accept_roots(batch, hidden, logits)
         logit_rows = logits.split(sizes)
         hidden_rows = hidden.split(sizes)
         width = 1 + max(p.tree.max_depth for p in proposals)
         acc_len = torch.zeros(len(batch), dtype=torch.int64)
         acc_nodes = torch.zeros(len(batch), width, dtype=torch.int64)
         out_tokens = torch.full((len(batch), width), -1, dtype=torch.int64)
-        if width == 1:  # root-only trees (plain decoding): the bonus token is all
-            acc_len.fill_(1)
-            out_tokens[:, 0] = self._sample_roots(batch, logits)
-        for mode in ("greedy", "target_only", "draft_probs") if width > 1 else ():
+        for mode in ("greedy", "target_only", "draft_probs"):
             idx = [i for i, r in enumerate(batch) if r.mode == mode]
             if not idx:
                 continue
-            tb = TreeBatch([proposals[i].tree for i in idx], device=logits.device)
+            tb = _walk_batch(tuple(proposals[i].tree for i in idx), logits.device)
             kw = {}
             if mode != "greedy":
                 kw = dict(
@@ -724,6 +756,25 @@ class Engine:
                 if self.draft_runner.eagle:
                     r.pending_feats = hidden_rows[i][acc_nodes[i, :n].to(hidden.device)]
             new = self._commit(r, emitted)
+            outs.append(StepOutput(r.req_id, new, r.finished, r.finish_reason))
+        for r in [r for r in batch if r.finished]:
+            self._release(r)
+        return outs
+
+    def _accept_roots(
+        self, batch: list[Request], hidden: torch.Tensor, logits: torch.Tensor
+    ) -> list[StepOutput]:
+        """``_accept`` when every tree is its root alone (a plain decode step): the next
+        token is the root's bonus token, nothing to walk or compact."""
+        outs = []
+        for i, (r, t) in enumerate(zip(batch, self._sample_roots(batch, logits).tolist())):
+            r.steps += 1
+            r.target_len += 1
+            if self.draft_runner is not None:
+                r.pending = [t]
+                if self.draft_runner.eagle:
+                    r.pending_feats = hidden[i : i + 1]
+            new = self._commit(r, [t])
             outs.append(StepOutput(r.req_id, new, r.finished, r.finish_reason))
         for r in [r for r in batch if r.finished]:
             self._release(r)
