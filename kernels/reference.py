@@ -126,7 +126,9 @@ def target_probs(
 
     ``logits [T, V]``; ``temperature``/``top_p`` scalars or ``[B]`` per request,
     indexed by ``request_ids [T]``. The nucleus is the smallest set of most
-    likely tokens whose mass reaches ``top_p`` (ties broken by token id).
+    likely tokens whose mass reaches ``top_p`` (ties broken by token id);
+    A Python ``top_p >= 1`` keeps every token without sorting (a tensor is never
+    read on the host: no device synchronisation).
     Returns float64 ``[T, V]`` rows summing to 1.
     """
     temp = torch.as_tensor(temperature, dtype=torch.float64, device=logits.device)
@@ -136,6 +138,8 @@ def target_probs(
     if topp.dim() == 1:
         topp = topp[request_ids][:, None]
     probs = torch.softmax(logits.double() / temp, dim=-1)
+    if not torch.is_tensor(top_p) and top_p >= 1:  # the whole distribution: no sort
+        return probs / probs.sum(-1, keepdim=True)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep_sorted = mass_before < topp

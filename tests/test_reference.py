@@ -217,6 +217,22 @@ def test_target_probs_matches_numpy(temperature, top_p):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
 
 
+def test_target_probs_whole_distribution_skips_the_sort(monkeypatch):
+    """A Python ``top_p`` of 1 keeps every token without sorting; the same as the
+    nucleus of a tensor ``top_p`` of 1 (which sorts: a tensor is never read on the host)."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)) * 4
+    ids = torch.zeros(5, dtype=torch.int64)
+    sorted_ = reference.target_probs(logits, ids, 0.8, torch.tensor([1.0]))
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    fast = reference.target_probs(logits, ids, 0.8, 1.0)
+    assert sorts == []
+    np.testing.assert_allclose(fast.numpy(), sorted_.numpy(), rtol=1e-12, atol=1e-15)
+    reference.target_probs(logits, ids, 0.8, 0.9)
+    assert sorts == [1]
+
+
 def test_target_probs_per_request_and_ties():
     logits = torch.tensor([[1.0, 1.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
     got = reference.target_probs(

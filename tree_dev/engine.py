@@ -698,7 +698,10 @@ class Engine:
                         [torch.rand(sizes[i], 2, generator=batch[i].generator) for i in idx]
                     ).to(logits.device),
                     temperature=torch.tensor([batch[i].params.temperature for i in idx]),
-                    top_p=torch.tensor([batch[i].params.top_p for i in idx]),
+                    # a float when no request cuts a nucleus: the walk skips its sort
+                    top_p=1.0
+                    if all(batch[i].params.top_p >= 1 for i in idx)
+                    else torch.tensor([batch[i].params.top_p for i in idx]),
                 )
             if mode == "draft_probs":
                 kw["draft_probs"] = torch.cat(
@@ -796,7 +799,9 @@ class Engine:
                 logits[rest].float().cpu(),
                 torch.arange(len(rest)),
                 torch.tensor([batch[i].params.temperature for i in rest]),
-                torch.tensor([batch[i].params.top_p for i in rest]),
+                1.0
+                if all(batch[i].params.top_p >= 1 for i in rest)
+                else torch.tensor([batch[i].params.top_p for i in rest]),
             )
             out[rest] = sample_inverse_cdf(p, u[:, 1])
         return out
