@@ -29,14 +29,14 @@ def test_every_kind_parses_to_its_policy():
     assert parse_tree_spec("topk:k=2,depth=8,budget=8,temp=0.3").temp == 0.3
     ngram = parse_tree_spec("ngram:budget=8")
     assert isinstance(ngram, NgramPolicy)
-    assert (ngram.budget, ngram.min_n, ngram.max_n, ngram.matches, ngram.depth) == (8, 1, 3, 4, 8)
+    assert (ngram.budget, ngram.min_n, ngram.max_n, ngram.matches, ngram.depth) == (8, 1, 3, 8, 8)
     full = parse_tree_spec("ngram:budget=6,min=2,max=5,matches=3,depth=4")
     assert (full.budget, full.min_n, full.max_n, full.matches, full.depth) == (6, 2, 5, 3, 4)
     assert parse_tree_spec("ngram:budget=6,min=4").max_n == 4  # max defaults to >= min
     hy = parse_tree_spec("hybrid:k=2,depth=6,budget=16,temp=0.3,ngram=8,max=4,ndepth=5,p=0.3")
     assert isinstance(hy, HybridPolicy) and (hy.budget, hy.p) == (16, 0.3)
     assert (hy.topk.k, hy.topk.depth, hy.topk.budget, hy.topk.temp) == (2, 6, 16, 0.3)
-    assert (hy.ngram.budget, hy.ngram.max_n, hy.ngram.depth, hy.ngram.matches) == (8, 4, 5, 4)
+    assert (hy.ngram.budget, hy.ngram.max_n, hy.ngram.depth, hy.ngram.matches) == (8, 4, 5, 8)
     assert parse_tree_spec("hybrid:k=1,depth=2,budget=5").ngram.budget == 5
 
 

@@ -8,7 +8,7 @@
   style); ``temp`` sharpens (< 1) the draft's log-probabilities used to *rank*
   nodes, for a draft that is less confident than it is right. It only shapes
   the tree, so verification stays lossless.
-- ``ngram:budget=N[,min=1,max=3,matches=4,depth=N]``: no draft model; the trie of
+- ``ngram:budget=N[,min=1,max=3,matches=8,depth=N]``: no draft model; the trie of
   the continuations (``depth`` tokens each, default ``budget``) of the ``matches``
   best n-gram matches (``min <= n <= max`` tokens) of the context's suffix in the
   prompt + output, at most ``budget`` draft nodes (``tree_dev.proposer.ngram_trie``).
@@ -80,7 +80,7 @@ class NgramPolicy:
     spec: str
     min_n: int = 1
     max_n: int = 3
-    matches: int = 4
+    matches: int = 8
     depth: int = 0  # 0: the budget
 
     def __post_init__(self) -> None:
@@ -166,7 +166,7 @@ def _parse_ngram(spec: str, arg: str) -> NgramPolicy:
     lo, hi = f.get("min", 1), f.get("max", max(3, f.get("min", 1)))
     if lo > hi:
         raise ValueError(f"field min= ({lo}) exceeds max= ({hi}) in {spec!r}")
-    return NgramPolicy(f["budget"], spec, lo, hi, f.get("matches", 4), f.get("depth", f["budget"]))
+    return NgramPolicy(f["budget"], spec, lo, hi, f.get("matches", 8), f.get("depth", f["budget"]))
 
 
 def _parse_hybrid(spec: str, arg: str) -> HybridPolicy:
