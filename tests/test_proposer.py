@@ -279,6 +279,33 @@ def test_ngram_matches_rank_by_length_then_recency():
     assert ngram_matches([1, 2, 1, 2, 1, 2], pol) == [(4, 3), (2, 2)]
 
 
+def brute_force_matches(context: list[int], min_n: int, max_n: int, matches: int):
+    """Every continuation start ``j`` whose ``n`` tokens before equal the context's last
+    ``n`` (``j < len``), with its largest such ``n`` in ``[min_n, max_n]``; longest, then
+    latest first."""
+    L, best = len(context), {}
+    for j in range(1, L):
+        for n in range(min(max_n, j), min_n - 1, -1):
+            if j <= L - 1 and context[j - n : j] == context[L - n :] and j - n >= 0:
+                best[j] = n
+                break
+    # a window must end before the suffix's last token: j <= L - 1
+    return sorted(best.items(), key=lambda jn: (-jn[1], -jn[0]))[:matches]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    context=st.lists(st.integers(0, 3), min_size=1, max_size=50),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    matches=st.integers(1, 9),
+)
+def test_ngram_matches_equal_brute_force(context, min_n, extra, matches):
+    pol = parse_tree_spec(f"ngram:budget=4,min={min_n},max={min_n + extra},matches={matches}")
+    want = brute_force_matches(context, min_n, min_n + extra, matches)
+    assert ngram_matches(context, pol) == want
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     context=st.lists(st.integers(0, 3), min_size=1, max_size=60),

@@ -277,12 +277,16 @@ def ngram_matches(context: Sequence[int], policy: NgramPolicy) -> list[tuple[int
     arr = np.asarray(context, dtype=np.int64)
     L = arr.shape[0]
     best: dict[int, int] = {}
-    for n in range(min(policy.max_n, L - 1), policy.min_n - 1, -1):
-        # windows arr[s : s + n] for s in [0, L - n - 1]: each ends before the suffix starts
-        win = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
-        hits = np.nonzero((win == arr[L - n :]).all(axis=1))[0]
-        for s in hits.tolist():
-            best.setdefault(s + n, n)  # longer n seen first: keeps the match length
+    if L >= 2 and policy.max_n >= 1:
+        ctx = arr.tolist()
+        # a match ends at e <= L - 2 with ctx[e] == the last token; its length is how far
+        # ctx[..e] and ctx[..L-1] agree backwards, capped at max_n (and at e + 1)
+        for e in np.nonzero(arr[: L - 1] == arr[L - 1])[0].tolist():
+            n, cap = 1, min(policy.max_n, e + 1)
+            while n < cap and ctx[e - n] == ctx[L - 1 - n]:
+                n += 1
+            if n >= policy.min_n:
+                best[e + 1] = n
     ranked = sorted(best.items(), key=lambda jn: (-jn[1], -jn[0]))
     return ranked[: policy.matches]
 
