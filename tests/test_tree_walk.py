@@ -134,12 +134,18 @@ def test_walk_equals_reference(backend, mode):
     check()
 
 
-@pytest.mark.parametrize("argmax_all_max", [0, 1 << 40], ids=["levels", "argmax_all"])
-def test_torch_greedy_forms_equal_reference(monkeypatch, argmax_all_max):
-    """The CPU's two greedy forms (level by level for many logits, one argmax over every
-    node for few) both equal the reference: small cases pin each form in turn."""
+@pytest.mark.parametrize(
+    "argmax_all_max, py_walk_max",
+    [(0, 1 << 40), (1 << 40, 0), (1 << 40, 1 << 40)],
+    ids=["levels", "argmax_all", "argmax_all-python-walk"],
+)
+def test_torch_greedy_forms_equal_reference(monkeypatch, argmax_all_max, py_walk_max):
+    """The CPU's three greedy forms (level by level for many logits; one argmax over
+    every node for few, then the vectorised walk, or for small trees the walk in
+    Python) all equal the reference: small cases pin each form in turn."""
     mod = importlib.import_module(f"{kernels.BACKENDS['torch']}.tree_walk")
     monkeypatch.setattr(mod, "_ARGMAX_ALL_MAX", argmax_all_max)
+    monkeypatch.setattr(mod, "_PY_WALK_MAX_NODES", py_walk_max)
     lim = LIMITS["torch"]
 
     @settings(max_examples=lim["examples"], deadline=None)
@@ -509,7 +515,11 @@ class NoHostSync(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_torch_walk_has_no_host_sync(mode):
+def test_torch_walk_has_no_host_sync(mode, monkeypatch):
+    # the device form; the CPU's small-tree Python walk reads the argmax on the host
+    monkeypatch.setattr(
+        importlib.import_module("kernels.torchops.tree_walk"), "_PY_WALK_MAX_NODES", 0
+    )
     case = make_case(5, LIMITS["torch"], 61, mode, torch.float32)
     case["temperature"], case["top_p"] = torch.full((case["tree"].num_requests,), 0.9), 0.9
     want = ref_walk(case)
