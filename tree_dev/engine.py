@@ -19,7 +19,11 @@ A token's life, top to bottom of this file:
    draft model; ``none`` proposes the root alone.
 4. The **target verifies** every node of every request's tree in one packed
    forward: tree attention (``kernels.tree_attention``) through the
-   ``"treespec"`` ``AttentionInterface`` implementation.
+   ``"treespec"`` ``AttentionInterface`` implementation; with the torch backend on
+   the CPU, trees of up to ``ROW_PATH_TREE_NODES`` nodes instead take one masked
+   SDPA call per request and layer (faster there). Stock HF Llama models run
+   through ``tree_dev.lean_forward`` (their own modules, without HF's per-call
+   machinery; HF's forward whenever a hook is present).
 5. ``kernels.tree_walk`` picks each request's accepted path and a bonus token
    (greedy, or lossless sampling: ``target_only`` for deterministic drafts,
    ``draft_probs`` for sampled drafts), ``kernels.kv_compact`` keeps exactly the
