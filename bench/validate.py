@@ -449,6 +449,7 @@ def validate(
         tree=tree if eng_draft is not None else "none",
         max_batch=len(prompts),
         kernel_backend=kernel_backend,
+        tree_kernel=True,  # the verify forward under test is the tree-attention kernel's
     )
     eng_cap = _new_capture(eng_target, modules, cap_root / "engine", eng_target.model)
     records = run_engine(engine, prompts, steps, eng_cap)

@@ -207,6 +207,7 @@ class Runner:
         block_size: int,
         backend: str,
         eagle: bool = False,
+        tree_kernel: bool = False,
     ):
         p = next(model.parameters())
         self.model = model
@@ -216,7 +217,7 @@ class Runner:
             num_layers, num_blocks, block_size, kv_heads, head_dim, p.dtype, p.device
         )
         self.device = p.device
-        cpu_torch = self.device.type == "cpu" and backend in ("auto", "torch")
+        cpu_torch = self.device.type == "cpu" and backend in ("auto", "torch") and not tree_kernel
         self.row_nodes = ROW_PATH_TREE_NODES if cpu_torch else ROW_PATH_NODES
         self.row_rows = ROW_PATH_TREE_ROWS if cpu_torch else ROW_PATH_ROWS
 
@@ -404,6 +405,9 @@ class Engine:
             children without replacement from the draft distribution (Gumbel
             top-k) and verify with ``draft_probs``; static trees only. Default:
             deterministic top-ranked children verified with ``target_only``.
+        tree_kernel: verify every tree of more than ``ROW_PATH_NODES`` nodes with
+            ``kernels.tree_attention`` even where the row path is faster (the accuracy
+            tooling's validation sets it: it exists to prove the kernel in the engine).
         onednn_linear: route the models' fp32 CPU linear layers through oneDNN for
             multi-row inputs (tree verify, prefill; see ``tree_dev.onednn_linear``).
             Switches the given models' layers in place. Default (None): where
@@ -423,6 +427,7 @@ class Engine:
         eos_token_id: int | None = None,
         draft_sampling: bool = False,
         onednn_linear: bool | None = None,
+        tree_kernel: bool = False,
     ):
         self.policy: Policy = parse_tree_spec(tree)
         if draft_sampling and not isinstance(self.policy, StaticPolicy):
@@ -474,7 +479,12 @@ class Engine:
         )
         per_req = -(-(max_model_len + self.policy.max_nodes + PREFILL_CHUNK) // block_size)
         self.runner = Runner(
-            target, *_attn_geometry(target.config), max_batch * per_req, block_size, kernel_backend
+            target,
+            *_attn_geometry(target.config),
+            max_batch * per_req,
+            block_size,
+            kernel_backend,
+            tree_kernel=tree_kernel,
         )
         self.draft_runner = None
         if drafter is not None:
