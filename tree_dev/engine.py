@@ -70,15 +70,13 @@ PREFILL_CHUNK = 256
 _ROOT_ONLY = TokenTree.chain(0)  # plain decoding's tree (immutable, its properties cached)
 
 
-@lru_cache(maxsize=1024)
-def _batch_of(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
+def _tree_batch(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
     return TreeBatch(list(trees), device=device)
 
 
-@lru_cache(maxsize=1024)
-def _walk_batch(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
-    """The walk's ``TreeBatch`` (cached apart from the verify forward's)."""
-    return TreeBatch(list(trees), device=device)
+# one builder, two caches: the verify forward's and the walk's (patched apart in tests)
+_batch_of = lru_cache(maxsize=1024)(_tree_batch)
+_walk_batch = lru_cache(maxsize=1024)(_tree_batch)
 
 
 TRUNK_LIMIT = 32  # catch-up chains up to this long ride along in the draft's first level
