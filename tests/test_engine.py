@@ -237,18 +237,38 @@ def test_onednn_linears_switched_where_faster(monkeypatch, faster: bool):
     from tree_dev.onednn_linear import onednn_available
 
     monkeypatch.setattr(engine_mod, "onednn_faster", lambda: faster)
-    switched = lambda m: [n for n, x in m.named_modules() if "forward" in x.__dict__]  # noqa: E731
+    switched = lambda m: [n for n, x in m.named_modules() if "_onednn_min_rows" in x.__dict__]  # noqa: E731
+    kw = dict(tree="chain:2", max_batch=1, max_model_len=64, narrow_linear=False)
     target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
-    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64, onednn_linear=False)
+    Engine(target, draft, onednn_linear=False, **kw)
     assert switched(target) == [] and switched(draft) == []
     n_linear = sum(isinstance(x, torch.nn.Linear) for x in target.modules())
-    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64)
+    Engine(target, draft, **kw)
     want = n_linear if faster and onednn_available() else 0
     assert n_linear > 0 and len(switched(target)) == want and len(switched(draft)) == want
     target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
-    Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64, onednn_linear=True)
+    Engine(target, draft, onednn_linear=True, **kw)
     want = n_linear if onednn_available() else 0  # torch builds without oneDNN: untouched
     assert len(switched(target)) == want and len(switched(draft)) == want
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_narrow_linears_switched_where_available(monkeypatch, available: bool):
+    """By default the engine routes the models' fp32 linears through the few-row GEMM
+    exactly where ``narrow_available()``; ``narrow_linear=False`` leaves them alone."""
+    import tree_dev.engine as engine_mod
+    from tree_dev.narrow_linear import narrow_available
+
+    monkeypatch.setattr(engine_mod, "narrow_available", lambda: available)
+    switched = lambda m: [n for n, x in m.named_modules() if "_narrow_max_rows" in x.__dict__]  # noqa: E731
+    kw = dict(tree="chain:2", max_batch=1, max_model_len=64, onednn_linear=False)
+    target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
+    Engine(target, draft, narrow_linear=False, **kw)
+    assert switched(target) == [] and switched(draft) == []
+    Engine(target, draft, **kw)
+    n_linear = sum(isinstance(x, torch.nn.Linear) for x in target.modules())
+    want = n_linear if available and narrow_available() else 0
+    assert n_linear > 0 and len(switched(target)) == want and len(switched(draft)) == want
 
 
 def test_plain_decoding_runs_no_tree_kernel(models, prompts_and_greedy, monkeypatch):

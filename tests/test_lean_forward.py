@@ -13,6 +13,7 @@ from tree_dev.attention import register
 from tree_dev.engine import Runner
 from tree_dev.lean_forward import forget, lean_supported
 from tree_dev.models.eagle import EagleHead
+from tree_dev.narrow_linear import narrow_available, use_narrow_linears
 from tree_dev.onednn_linear import use_onednn_linears
 from tree_dev.testing import random_tree
 
@@ -30,7 +31,7 @@ def lean_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def _model(eagle: bool, onednn: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _model(eagle: bool, linears: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The model the engine would run (target or EAGLE head) and its ``LlamaModel``."""
     register()
     target = tiny_llama(4, vocab=VOCAB)
@@ -39,8 +40,12 @@ def _model(eagle: bool, onednn: bool) -> tuple[torch.nn.Module, torch.nn.Module]
     decoder.set_attn_implementation("treespec")
     if eagle:
         model.config._attn_implementation = "treespec"
-    if onednn:
+    if linears == "onednn":
         use_onednn_linears(model, min_rows=1)
+    elif linears == "narrow":
+        if not narrow_available():
+            pytest.skip("the narrow GEMM needs an x86-64 CPU with AVX2 + FMA and a C compiler")
+        use_narrow_linears(model)
     return model.eval(), decoder
 
 
@@ -51,13 +56,13 @@ def _runner(model: torch.nn.Module, decoder: torch.nn.Module, eagle: bool) -> Ru
     return Runner(model, cfg.num_hidden_layers, heads, cfg.head_dim, 64, 4, "torch", eagle)
 
 
-@pytest.mark.parametrize("onednn", [False, True], ids=["f-linear", "onednn-linears"])
+@pytest.mark.parametrize("linears", ["f-linear", "onednn", "narrow"])
 @pytest.mark.parametrize("eagle", [False, True], ids=["target", "eagle-head"])
-def test_lean_forward_is_bitwise_hf(lean_calls, eagle: bool, onednn: bool):
+def test_lean_forward_is_bitwise_hf(lean_calls, eagle: bool, linears: str):
     """Prefill, a draft level below cached nodes and whole verify trees (row path and
     tree kernel) give exactly the same hidden states and logits through the lean
     forward as through HF's ``LlamaModel.forward`` (forced by a hook)."""
-    model, decoder = _model(eagle, onednn)
+    model, decoder = _model(eagle, linears)
     hidden_size = decoder.config.hidden_size
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (11, 30)]

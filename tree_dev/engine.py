@@ -54,6 +54,7 @@ from kernels.torchops.tree_walk import sample_inverse_cdf
 from tree_dev.attention import TreeForward, register
 from tree_dev.kv_cache import PagedKVCache
 from tree_dev.lean_forward import lean_supported, llama_forward
+from tree_dev.narrow_linear import narrow_available, use_narrow_linears
 from tree_dev.onednn_linear import onednn_faster, use_onednn_linears
 from tree_dev.proposer import expansion_for, ngram_trie, tree_of
 from tree_dev.spec import (
@@ -410,6 +411,11 @@ class Engine:
             multi-row inputs (tree verify, prefill; see ``tree_dev.onednn_linear``).
             Switches the given models' layers in place. Default (None): where
             ``onednn_faster()`` (a CPU with AVX-512), else MKL's ``F.linear``.
+        narrow_linear: route inputs of at most ``narrow_linear.MAX_ROWS`` rows (a
+            decode step, a tree verify, a draft level) through ``narrow_gemm``, which
+            costs about the same at 1-4 rows as at 1 (see ``tree_dev.narrow_linear``).
+            Switches the given models' layers in place. Default (None): where
+            ``narrow_available()`` (x86-64 with AVX2 and a C compiler).
     """
 
     def __init__(
@@ -425,6 +431,7 @@ class Engine:
         eos_token_id: int | None = None,
         draft_sampling: bool = False,
         onednn_linear: bool | None = None,
+        narrow_linear: bool | None = None,
         tree_kernel: bool = False,
     ):
         self.policy: Policy = parse_tree_spec(tree)
@@ -502,10 +509,13 @@ class Engine:
             )
         if onednn_linear is None:
             onednn_linear = onednn_faster()
-        if onednn_linear:
-            for model in (target, drafter):
-                if model is not None:
-                    use_onednn_linears(model)
+        if narrow_linear is None:
+            narrow_linear = narrow_available()
+        for model in (target, drafter):
+            if model is not None and onednn_linear:
+                use_onednn_linears(model)
+            if model is not None and narrow_linear:  # after oneDNN: it keeps the wide inputs
+                use_narrow_linears(model)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
