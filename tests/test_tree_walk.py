@@ -157,6 +157,31 @@ def test_torch_greedy_forms_equal_reference(monkeypatch, argmax_all_max, py_walk
     check()
 
 
+@pytest.mark.parametrize("py_walk_max", [0, 1 << 40], ids=["levels", "python-walk"])
+def test_torch_target_only_forms_equal_reference(monkeypatch, py_walk_max):
+    """The CPU's two ``target_only`` forms (level by level, probabilities at the current
+    nodes only; for small trees every node's probabilities and the walk in Python)
+    both equal the reference."""
+    mod = importlib.import_module(f"{kernels.BACKENDS['torch']}.tree_walk")
+    monkeypatch.setattr(mod, "_ARGMAX_ALL_MAX", 1 << 40)
+    monkeypatch.setattr(mod, "_PY_WALK_MAX_NODES", py_walk_max)
+    lim = LIMITS["torch"]
+
+    # a later sibling's test after earlier rejections is what the forms can get wrong, and
+    # few cases reach it (~2% of them): many cheap examples
+    @settings(max_examples=10 * lim["examples"], deadline=None)
+    @given(
+        seed=st.integers(0, 2**31 - 1),
+        vocab=st.sampled_from(VOCABS),
+        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    )
+    def check(seed, vocab, dtype):
+        case = make_case(seed, lim, vocab, "target_only", dtype)
+        assert_same(walk(case, "torch"), ref_walk(case))
+
+    check()
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_walk_equals_reference_on_the_medusa_tree(backend, mode):

@@ -197,6 +197,68 @@ def _greedy_python(amax: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkR
     )
 
 
+def _target_only_python(
+    probs: torch.Tensor, tokens: torch.Tensor, tree: Any, uniforms: torch.Tensor
+) -> WalkResult:
+    """``target_only`` from every node's probabilities ``float64 [T, V]``, the walk in
+    Python (CPU, small trees): ``_target_only``'s test, ``u_c * (S - sum of earlier
+    siblings' p) < p[t_c]`` with the first passing sibling winning, over host floats
+    read once (each child's ``p`` at its token, each node's mass), then one batched
+    bonus draw at the stop nodes."""
+    total = probs.shape[0]
+    tok = tokens.to(torch.int64)
+    parents, cu = tree.parents.tolist(), tree.cu_nodes.tolist()
+    rid = tree.request_ids.tolist()
+    gparent = [p + cu[r] if p >= 0 else -1 for p, r in zip(parents, rid)]
+    child_rows = torch.tensor([max(g, 0) for g in gparent], dtype=torch.int64)
+    pt = probs[child_rows, tok].tolist()  # p[parent, token of the child]
+    mass = probs.sum(-1).tolist()
+    u = uniforms.to(torch.float64)[:, 0].tolist()
+    rank = tree.sibling_rank.tolist()
+    children: list[list[int]] = [[] for _ in range(total)]
+    for c in sorted((c for c in range(total) if gparent[c] >= 0), key=lambda c: rank[c]):
+        children[gparent[c]].append(c)
+    b, width = tree.num_requests, tree.max_depth + 1
+    acc_len = [1] * b
+    nodes = [[-1] * width for _ in range(b)]
+    out = [[-1] * width for _ in range(b)]
+    stops = []
+    for r in range(b):
+        cur, path = cu[r], nodes[r]
+        path[0] = 0
+        while True:
+            before, nxt = 0.0, None
+            for c in children[cur]:
+                p_c = pt[c]
+                # (cumsum - pt) as the vectorised form computes it: bit for bit
+                cum = before + p_c
+                if u[c] * (mass[cur] - (cum - p_c)) < p_c:
+                    nxt = c
+                    break
+                before = cum
+            if nxt is None:
+                break
+            out[r][acc_len[r] - 1] = int(tok[nxt])
+            path[acc_len[r]] = nxt - cu[r]
+            acc_len[r] += 1
+            cur = nxt
+        stops.append(cur)
+    stop = torch.tensor(stops, dtype=torch.int64)
+    kids = [children[s] for s in stops]
+    kmax = max([1, *map(len, kids)])
+    table = torch.tensor([k + [-1] * (kmax - len(k)) for k in kids], dtype=torch.int64)
+    bonus = sample_inverse_cdf(
+        _remove_children(probs[stop], table, tok), uniforms.to(torch.float64)[stop, 1]
+    ).tolist()
+    for r in range(b):
+        out[r][acc_len[r] - 1] = bonus[r]
+    return WalkResult(
+        torch.tensor(acc_len, dtype=torch.int64),
+        torch.tensor(nodes, dtype=torch.int64),
+        torch.tensor(out, dtype=torch.int64),
+    )
+
+
 def _greedy_levels(logits: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
     """Greedy walk level by level: the argmax only at the B current nodes of each level.
 
@@ -382,6 +444,9 @@ def tree_walk(
     if mode == "draft_probs":
         return _draft_probs(rows, logits.shape[1], tokens, tree, uniforms, draft_probs)
     if mode == "target_only" and logits.device.type == "cpu":
+        if tokens.shape[0] <= _PY_WALK_MAX_NODES and logits.numel() <= _ARGMAX_ALL_MAX:
+            probs = target_probs(logits, tree.request_ids, temperature, top_p)
+            return _target_only_python(probs, tokens, tree, uniforms)
         return _target_only_levels(rows, tokens, tree, uniforms)
     probs = target_probs(logits, tree.request_ids, temperature, top_p)
     return walk_from_probs(probs, tokens, tree, mode, uniforms, draft_probs)
