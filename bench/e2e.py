@@ -49,8 +49,10 @@ BUDGETS = (4, 8, 16, 32, 64)
 # budget -> (k, depth) of the dynamic top-K tree. "topk": as deep as the chain of the
 # same budget (up to 16 levels), so tau is compared at equal nodes *and* reach;
 # "topk-fast": half as deep, fewer draft forwards per step (depth = draft forwards).
-TOPK_SHAPES = {4: (2, 4), 8: (2, 8), 16: (2, 12), 32: (3, 16), 64: (4, 16)}
-TOPK_FAST_SHAPES = {4: (2, 2), 8: (2, 4), 16: (2, 6), 32: (3, 8), 64: (4, 8)}
+# Budgets 1 and 2 (one draft forward) are for sampling, where acceptance collapses
+# past the first level and the cheapest tree wins (``--budgets 1,2,4``).
+TOPK_SHAPES = {1: (1, 1), 2: (2, 1), 4: (2, 4), 8: (2, 8), 16: (2, 12), 32: (3, 16), 64: (4, 16)}
+TOPK_FAST_SHAPES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4), 16: (2, 6), 32: (3, 8), 64: (4, 8)}
 FAMILIES = ("chain", "static", "topk", "topk-fast", "hybrid", "ngram")
 DRAFT_FREE = ("ngram",)  # families that run no draft model
 # The trained drafts are right more often than their probabilities say: ranking nodes

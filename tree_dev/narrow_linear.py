@@ -11,8 +11,9 @@ tree paid for itself.
 
 ``narrow_gemm`` (``tree_dev/csrc/narrow_gemm.c``, AVX2 + FMA, built on first use
 with the system C compiler) packs each weight once into panels of 16 output columns
-and streams a panel once per 4 rows with the rows' sums in registers: at 1-4 rows
-it costs about what 1 row does (same shape: 103 us at M=1, 129-141 at 2-4).
+and streams a panel once per block of up to 4 rows with the rows' sums in registers:
+at 1-4 rows it costs about what 1 row does (same shape: 81 us at M=1, 100-167 at
+2-4, 188-194 at 5-6, 289 at 9; MKL 144, 311-462, 459-464, 617, measured side by side).
 
 Same fp32 arithmetic (no reduced-precision shortcut): each output is one sequential
 FMA sum over the input features, so only the rounding differs from MKL, and a row's
@@ -52,7 +53,7 @@ __all__ = [
     "use_narrow_linears",
 ]
 
-MAX_ROWS = 32  # more rows: the general GEMM's blocking wins (measured here)
+MAX_ROWS = 24  # from ~32 rows the general GEMM's blocking wins on some shapes (measured here)
 PANEL = 16  # output columns per packed panel (two AVX2 vectors), as in the C source
 _SOURCE = Path(__file__).with_name("csrc") / "narrow_gemm.c"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")

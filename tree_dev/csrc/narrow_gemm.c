@@ -86,9 +86,14 @@ static void rows_block(int64_t R, const float *x, int64_t K, const float *panels
   }
 }
 
+/* M rows in ceil(M / ROWS) blocks of balanced sizes (5 = 3 + 2, 9 = 3 + 3 + 3): a
+ * lone row would cost a whole pass over the weights at one row's FMA rate. */
 void narrow_gemm(const float *x, int64_t M, int64_t K, const float *panels, int64_t N,
                  const float *bias, float *y) {
-  int64_t r = 0;
-  for (; r + ROWS <= M; r += ROWS) rows_block(ROWS, x, K, panels, N, bias, y, r);
-  if (r < M) rows_block(M - r, x, K, panels, N, bias, y, r);
+  int64_t blocks = (M + ROWS - 1) / ROWS, r = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    int64_t rows = M / blocks + (i < M % blocks);
+    rows_block(rows, x, K, panels, N, bias, y, r);
+    r += rows;
+  }
 }
