@@ -157,11 +157,12 @@ def test_torch_greedy_forms_equal_reference(monkeypatch, argmax_all_max, py_walk
     check()
 
 
+@pytest.mark.parametrize("mode", ["target_only", "draft_probs"])
 @pytest.mark.parametrize("py_walk_max", [0, 1 << 40], ids=["levels", "python-walk"])
-def test_torch_target_only_forms_equal_reference(monkeypatch, py_walk_max):
-    """The CPU's two ``target_only`` forms (level by level, probabilities at the current
-    nodes only; for small trees every node's probabilities and the walk in Python)
-    both equal the reference."""
+def test_torch_sampling_forms_equal_reference(monkeypatch, py_walk_max, mode):
+    """The CPU's two forms of each sampling walk (level by level, probabilities at the
+    current nodes only; for small trees every node's probabilities and the walk in
+    Python) both equal the reference."""
     mod = importlib.import_module(f"{kernels.BACKENDS['torch']}.tree_walk")
     monkeypatch.setattr(mod, "_ARGMAX_ALL_MAX", 1 << 40)
     monkeypatch.setattr(mod, "_PY_WALK_MAX_NODES", py_walk_max)
@@ -176,7 +177,7 @@ def test_torch_target_only_forms_equal_reference(monkeypatch, py_walk_max):
         dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     )
     def check(seed, vocab, dtype):
-        case = make_case(seed, lim, vocab, "target_only", dtype)
+        case = make_case(seed, lim, vocab, mode, dtype)
         assert_same(walk(case, "torch"), ref_walk(case))
 
     check()

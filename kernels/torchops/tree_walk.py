@@ -259,6 +259,70 @@ def _target_only_python(
     )
 
 
+def _draft_probs_python(
+    probs: torch.Tensor,
+    tokens: torch.Tensor,
+    tree: Any,
+    uniforms: torch.Tensor,
+    draft_probs: torch.Tensor,
+) -> WalkResult:
+    """``draft_probs`` from every node's target probabilities ``float64 [T, V]``, the
+    walk in Python (CPU, small trees): ``_draft_probs``'s rule (accept child ``c`` when
+    ``u_c * q[t_c] < p[t_c]``; after a rejection ``p <- norm(max(p - q, 0))`` and ``q``
+    loses ``t_c``), with the same tensor ops on one ``[1, V]`` row at a time, the
+    accept tests on host floats, and one batched bonus draw."""
+    total = probs.shape[0]
+    tok = tokens.to(torch.int64)
+    parents, cu = tree.parents.tolist(), tree.cu_nodes.tolist()
+    rid = tree.request_ids.tolist()
+    toks_host = tok.tolist()
+    u = uniforms.to(torch.float64)
+    u_accept = u[:, 0].tolist()
+    rank = tree.sibling_rank.tolist()
+    children: list[list[int]] = [[] for _ in range(total)]
+    for c in sorted((c for c in range(total) if parents[c] >= 0), key=lambda c: rank[c]):
+        children[parents[c] + cu[rid[c]]].append(c)
+    b, width = tree.num_requests, tree.max_depth + 1
+    acc_len = [1] * b
+    nodes = [[-1] * width for _ in range(b)]
+    out = [[-1] * width for _ in range(b)]
+    stops, bonus_rows = [], []
+    for r in range(b):
+        cur, path = cu[r], nodes[r]
+        path[0] = 0
+        while True:
+            p = probs[cur : cur + 1]
+            q = draft_probs[cur : cur + 1].to(torch.float64)
+            nxt = None
+            for c in children[cur]:
+                t = toks_host[c]
+                if u_accept[c] * float(q[0, t]) < float(p[0, t]):
+                    nxt = c
+                    break
+                new_p = torch.clamp(p - q, min=0.0)
+                s = new_p.sum(-1, keepdim=True)
+                p = torch.where(s > 0, new_p / s, p)  # no residual mass (p <= q): keep p
+                new_q = q.scatter(1, torch.tensor([[t]]), 0.0)
+                sq = new_q.sum(-1, keepdim=True)
+                q = torch.where(sq > 0, new_q / sq, new_q)
+            if nxt is None:
+                break
+            out[r][acc_len[r] - 1] = toks_host[nxt]
+            path[acc_len[r]] = nxt - cu[r]
+            acc_len[r] += 1
+            cur = nxt
+        stops.append(cur)
+        bonus_rows.append(p)
+    bonus = sample_inverse_cdf(torch.cat(bonus_rows), u[torch.tensor(stops), 1]).tolist()
+    for r in range(b):
+        out[r][acc_len[r] - 1] = bonus[r]
+    return WalkResult(
+        torch.tensor(acc_len, dtype=torch.int64),
+        torch.tensor(nodes, dtype=torch.int64),
+        torch.tensor(out, dtype=torch.int64),
+    )
+
+
 def _greedy_levels(logits: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
     """Greedy walk level by level: the argmax only at the B current nodes of each level.
 
@@ -441,10 +505,18 @@ def tree_walk(
         return greedy_from_argmax(amax, tokens, tree)
     ids = torch.arange(tree.num_requests, device=logits.device)
     rows = lambda cur: target_probs(logits[cur], ids, temperature, top_p)  # visited nodes only
+    small = (
+        logits.device.type == "cpu"
+        and tokens.shape[0] <= _PY_WALK_MAX_NODES
+        and logits.numel() <= _ARGMAX_ALL_MAX
+    )
     if mode == "draft_probs":
+        if small:
+            probs = target_probs(logits, tree.request_ids, temperature, top_p)
+            return _draft_probs_python(probs, tokens, tree, uniforms, draft_probs)
         return _draft_probs(rows, logits.shape[1], tokens, tree, uniforms, draft_probs)
     if mode == "target_only" and logits.device.type == "cpu":
-        if tokens.shape[0] <= _PY_WALK_MAX_NODES and logits.numel() <= _ARGMAX_ALL_MAX:
+        if small:
             probs = target_probs(logits, tree.request_ids, temperature, top_p)
             return _target_only_python(probs, tokens, tree, uniforms)
         return _target_only_levels(rows, tokens, tree, uniforms)
