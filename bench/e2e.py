@@ -53,8 +53,12 @@ BUDGETS = (4, 8, 16, 32, 64)
 # past the first level and the cheapest tree wins (``--budgets 1,2,4``).
 TOPK_SHAPES = {1: (1, 1), 2: (2, 1), 4: (2, 4), 8: (2, 8), 16: (2, 12), 32: (3, 16), 64: (4, 16)}
 TOPK_FAST_SHAPES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4), 16: (2, 6), 32: (3, 8), 64: (4, 8)}
-FAMILIES = ("chain", "static", "topk", "topk-fast", "hybrid", "ngram")
+FAMILIES = ("chain", "static", "topk", "topk-fast", "hybrid", "ngram", "chain-sampled")
 DRAFT_FREE = ("ngram",)  # families that run no draft model
+# Sampling only (T > 0): the chain's drafts drawn from the draft's distribution and
+# verified against it (``Engine(draft_sampling=True)``: SpecInfer's residual rule), which
+# accepts where top-ranked drafts fail on diverse sampled text. At T = 0 it is "chain".
+SAMPLED_ONLY = ("chain-sampled",)
 # The trained drafts are right more often than their probabilities say: ranking nodes
 # with log-probs sharpened by 1/0.3 favours depth (measured: top-K tau at budget 16 goes
 # from 0.92x to 1.23x the chain's with the EAGLE head). It only shapes the tree.
@@ -65,7 +69,8 @@ LOOKUP_TOKENS = 10
 
 def policies(budget: int) -> dict[str, str]:
     """Tree specs with ``budget`` draft nodes: chain, static (Medusa order), dynamic
-    top-K, the hybrid (top-K-fast + n-gram trie) and the draft-free n-gram trie."""
+    top-K, the hybrid (top-K-fast + n-gram trie), the draft-free n-gram trie and the
+    chain with sampled drafts."""
     paths = ",".join(str(p) for p in MC_SIM_7B_63[: min(budget, len(MC_SIM_7B_63))])
     k, depth = TOPK_SHAPES[budget]
     kf, df = TOPK_FAST_SHAPES[budget]
@@ -76,6 +81,7 @@ def policies(budget: int) -> dict[str, str]:
         "topk-fast": f"topk:k={kf},depth={df},budget={budget},temp={RANK_TEMP}",
         "hybrid": f"hybrid:k={kf},depth={df},budget={budget},temp={RANK_TEMP}",
         "ngram": f"ngram:budget={budget}",
+        "chain-sampled": f"chain:{budget}",
     }
 
 
@@ -105,9 +111,11 @@ def run_policy(
     max_tokens: int,
     backend: str,
     temperature: float = 0.0,
+    draft_sampling: bool = False,
 ) -> dict:
     """Decode every prompt alone (batch 1) through the engine; returns measurements and
-    outputs (``temperature > 0``: lossless sampling, seeded per prompt)."""
+    outputs (``temperature > 0``: lossless sampling, seeded per prompt; ``draft_sampling``:
+    drafts drawn from the draft's distribution and verified against it)."""
     draft = models.draft if drafter == "draft" and spec != "none" else None
     eagle = models.eagle if drafter == "eagle" and spec != "none" else None
     engine = Engine(
@@ -118,6 +126,7 @@ def run_policy(
         max_batch=1,
         max_model_len=len(prompts[0]) + max_tokens + 8,
         kernel_backend=backend,
+        draft_sampling=draft_sampling,
     )
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for key in engine.timings:
@@ -284,7 +293,7 @@ def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> No
     temps = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, 2 + len(temps), figsize=(6 + 5 * len(temps), 4.4))
     greedy = [r for r in rows if r["temperature"] == 0]
-    for family, marker in zip(FAMILIES, "os^vDx"):
+    for family, marker in zip(FAMILIES, "os^vDx*"):
         for drafter, style in (("eagle", "-"), ("draft", "--"), (None, ":")):
             sel = [r for r in greedy if r.get("family") == family and r["drafter"] == drafter]
             if sel:
@@ -297,7 +306,7 @@ def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> No
                 )
     axes[0].set(xscale="log", xlabel="draft nodes (budget)", ylabel="tau", title="tau, greedy")
     for ax, temp in zip(axes[1:], temps):
-        for family, marker in zip(FAMILIES, "os^vDx"):
+        for family, marker in zip(FAMILIES, "os^vDx*"):
             for drafter, style in (("eagle", "-"), ("draft", "--"), (None, ":")):
                 sel = [
                     r
@@ -384,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     for temp in temps:
         for b in budgets:
             for family, spec in policies(b).items():
-                if family not in families:
+                if family not in families or (family in SAMPLED_ONLY and temp == 0):
                     continue
                 for drafter in ("none",) if family in DRAFT_FREE else drafters:
                     jobs.append((spec, drafter, family, b, temp))
@@ -418,7 +427,16 @@ def main(argv: list[str] | None = None) -> int:
         for j, (spec, drafter, family, budget, temp) in enumerate(
             tqdm(jobs, desc=f"policies, round {rnd + 1}/{rounds}")
         ):
-            r = run_policy(models, spec, drafter, prompts, max_tokens, args.kernel_backend, temp)
+            r = run_policy(
+                models,
+                spec,
+                drafter,
+                prompts,
+                max_tokens,
+                args.kernel_backend,
+                temp,
+                draft_sampling=family in SAMPLED_ONLY,
+            )
             r.update(family=family, budget=budget)
             runs[j].append(r)
         baselines(rnd)
