@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     peer_of = {(p["spec"], p["temperature"]): p for p in peers}
 
     print(
-        f"\n{'method':11} {'drafter':7} {'policy':10} {'budget':>6} {'T':>3} {'tau':>5} "
+        f"\n{'method':11} {'drafter':7} {'policy':13} {'budget':>6} {'T':>3} {'tau':>5} "
         f"{'tok/s':>7} {'cpu t/s':>7} {'/HF':>5} {'/plain':>6} {'draft%':>6} {'distinct':>8} "
         f"{'=HF':>5}  acceptance per depth"
     )
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         share = f"{100 * r['draft_share']:5.0f}%" if "draft_share" in r else "     -"
         print(
             f"{('engine' if 'family' in r or r['spec'] == 'none' else r['spec']):11} "
-            f"{str(r['drafter'] or '-'):7} {r.get('family', r['spec']):10} "
+            f"{str(r['drafter'] or '-'):7} {r.get('family', r['spec']):13} "
             f"{r.get('budget', '-'):>6} {r['temperature']:3.1f} {tau} {r['tokens_per_s']:7.1f} "
             f"{r['cpu_tokens_per_s']:7.1f} {r['speedup_vs_hf']:5.2f} {r['speedup_vs_plain']:6.2f} "
             f"{share} {r['distinct_ratio']:8.2f} {str(r.get('equals_hf_greedy', '-')):>5}  {acc}"
@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             goals["best_tree_at_least_1.5x_hf_greedy"] = best0["speedup_vs_hf"] >= 1.5
             goals["best_tree_t0"] = {
                 "tree": best0["spec"],
+                "family": best0["family"],
                 "drafter": best0["drafter"],
                 "speedup_vs_hf": best0["speedup_vs_hf"],
                 "over_hf_prompt_lookup": best0["tokens_per_s"] / lookup["tokens_per_s"],
@@ -531,8 +532,11 @@ def main(argv: list[str] | None = None) -> int:
             goals["best_tree_at_least_1.3x_hf_sampling_t0.8"] = best8["speedup_vs_hf"] >= 1.3
             goals["best_tree_t0.8"] = {
                 "tree": best8["spec"],
+                "family": best8["family"],
+                "draft_sampling": best8["family"] in SAMPLED_ONLY,
                 "drafter": best8["drafter"],
                 "speedup_vs_hf": best8["speedup_vs_hf"],
+                "speedup_vs_plain": best8["speedup_vs_plain"],
             }
     print("goals:", goals)
     if best is not None:

@@ -141,24 +141,27 @@ def _first_token_counts(engine: Engine, prompt: list[int], draws: int) -> torch.
 
 
 @pytest.mark.parametrize(
-    "spec,draft_sampling",
+    "spec,draft_sampling,max_batch",
     [
-        ("chain:3", False),  # target_only verification of top-ranked drafts
-        ("topk:k=3,depth=2,budget=6", False),
-        ("paths:[(0,),(1,),(2,),(0,0),(1,0)]", True),  # draft_probs: sampled children
+        ("chain:3", False, 128),  # target_only verification of top-ranked drafts
+        ("topk:k=3,depth=2,budget=6", False, 128),
+        ("paths:[(0,),(1,),(2,),(0,0),(1,0)]", True, 128),  # draft_probs: sampled children
         # the root (1) occurred before: the trie's first level holds 4, 5 and 9
-        ("ngram:budget=6", False),
-        ("hybrid:k=2,depth=2,budget=6,ngram=4,p=0.3", False),
+        ("ngram:budget=6", False, 128),
+        ("hybrid:k=2,depth=2,budget=6,ngram=4,p=0.3", False, 128),
+        # steps of at most 256 nodes: the CPU walks them in Python (both sampling rules)
+        ("topk:k=3,depth=2,budget=6", False, 32),
+        ("chain:3", True, 32),
     ],
 )
-def test_sampling_first_token_matches_target_distribution(spec, draft_sampling):
+def test_sampling_first_token_matches_target_distribution(spec, draft_sampling, max_batch):
     vocab = 12
     target = tiny_llama(11, vocab=vocab)
     draft = perturbed(target, 0.5, seed=2)
     prompt = [3, 1, 4, 1, 5, 1, 9, 1]
     with torch.no_grad():
         p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
-    engine = Engine(target, draft, tree=spec, max_batch=128, draft_sampling=draft_sampling)
+    engine = Engine(target, draft, tree=spec, max_batch=max_batch, draft_sampling=draft_sampling)
     draws = 3000
     counts = _first_token_counts(engine, prompt, draws)
     accepted = sum(r.accepted_drafts for r in engine.requests.values())
