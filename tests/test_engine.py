@@ -231,47 +231,41 @@ def test_non_finite_target_logits_name_the_request(models, monkeypatch, bad: flo
         engine.step()
 
 
-@pytest.mark.parametrize("faster", [True, False])
-def test_onednn_linears_switched_where_faster(monkeypatch, faster: bool):
-    """By default the engine routes the models' fp32 linears through oneDNN exactly
-    where ``onednn_faster()`` (AVX-512 CPUs); ``onednn_linear=True`` / ``False`` force
-    it on / off."""
-    import tree_dev.engine as engine_mod
-    from tree_dev.onednn_linear import onednn_available
-
-    monkeypatch.setattr(engine_mod, "onednn_faster", lambda: faster)
-    switched = lambda m: [n for n, x in m.named_modules() if "_onednn_min_rows" in x.__dict__]  # noqa: E731
-    kw = dict(tree="chain:2", max_batch=1, max_model_len=64, narrow_linear=False)
-    target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
-    Engine(target, draft, onednn_linear=False, **kw)
-    assert switched(target) == [] and switched(draft) == []
-    n_linear = sum(isinstance(x, torch.nn.Linear) for x in target.modules())
-    Engine(target, draft, **kw)
-    want = n_linear if faster and onednn_available() else 0
-    assert n_linear > 0 and len(switched(target)) == want and len(switched(draft)) == want
-    target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
-    Engine(target, draft, onednn_linear=True, **kw)
-    want = n_linear if onednn_available() else 0  # torch builds without oneDNN: untouched
-    assert len(switched(target)) == want and len(switched(draft)) == want
+# route -> (the engine's default probe, the flag, the flag of the other route, the
+# attribute a switched layer carries)
+LINEAR_ROUTES = {
+    "onednn": ("onednn_faster", "onednn_linear", "narrow_linear", "_onednn_min_rows"),
+    "narrow": ("narrow_available", "narrow_linear", "onednn_linear", "_narrow_max_rows"),
+}
 
 
-@pytest.mark.parametrize("available", [True, False])
-def test_narrow_linears_switched_where_available(monkeypatch, available: bool):
-    """By default the engine routes the models' fp32 linears through the few-row GEMM
-    exactly where ``narrow_available()``; ``narrow_linear=False`` leaves them alone."""
+@pytest.mark.parametrize("default", [True, False])
+@pytest.mark.parametrize("route", sorted(LINEAR_ROUTES))
+def test_linear_routes_switched_by_default_where_they_help(monkeypatch, route, default):
+    """By default the engine switches the models' fp32 linears to oneDNN exactly where
+    ``onednn_faster()`` (AVX-512 CPUs) and to the few-row GEMM exactly where
+    ``narrow_available()``; ``onednn_linear`` / ``narrow_linear`` = True / False force
+    each on / off (a torch or CPU that cannot run a route leaves the layers alone)."""
     import tree_dev.engine as engine_mod
     from tree_dev.narrow_linear import narrow_available
+    from tree_dev.onednn_linear import onednn_available
 
-    monkeypatch.setattr(engine_mod, "narrow_available", lambda: available)
-    switched = lambda m: [n for n, x in m.named_modules() if "_narrow_max_rows" in x.__dict__]  # noqa: E731
-    kw = dict(tree="chain:2", max_batch=1, max_model_len=64, onednn_linear=False)
-    target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
-    Engine(target, draft, narrow_linear=False, **kw)
-    assert switched(target) == [] and switched(draft) == []
-    Engine(target, draft, **kw)
-    n_linear = sum(isinstance(x, torch.nn.Linear) for x in target.modules())
-    want = n_linear if available and narrow_available() else 0
-    assert n_linear > 0 and len(switched(target)) == want and len(switched(draft)) == want
+    probe, flag, other, marker = LINEAR_ROUTES[route]
+    monkeypatch.setattr(engine_mod, probe, lambda: default)
+    can = {"onednn": onednn_available, "narrow": narrow_available}[route]()
+
+    def switched(**flags) -> tuple[int, int]:
+        target, draft = tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
+        Engine(target, draft, tree="chain:2", max_batch=1, max_model_len=64, **flags)
+        return tuple(sum(marker in x.__dict__ for x in m.modules()) for m in (target, draft))
+
+    n_linear = sum(isinstance(x, torch.nn.Linear) for x in tiny_llama(0).modules())
+    assert n_linear > 0
+    assert switched(**{flag: False, other: False}) == (0, 0)
+    want = n_linear if default and can else 0
+    assert switched(**{other: False}) == (want, want)
+    want = n_linear if can else 0
+    assert switched(**{flag: True, other: False}) == (want, want)
 
 
 def test_plain_decoding_runs_no_tree_kernel(models, prompts_and_greedy, monkeypatch):

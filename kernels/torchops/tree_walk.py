@@ -165,36 +165,65 @@ _ARGMAX_ALL_MAX = 1 << 19
 _PY_WALK_MAX_NODES = 256
 
 
-def _greedy_python(amax: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
-    """Greedy walk from the argmax per node ``int64[T]``, in Python (CPU, small trees)."""
-    best, toks = amax.tolist(), tokens.tolist()
+def _host_tree(tree: Any) -> tuple[list[int], list[int], list[list[int]]]:
+    """Host lists for the Python walks: every node's global parent (-1 for roots), the
+    requests' first nodes ``cu [B + 1]`` and every node's children in sibling order."""
     parents, cu = tree.parents.tolist(), tree.cu_nodes.tolist()
+    gparent = [p + cu[r] if p >= 0 else -1 for p, r in zip(parents, tree.request_ids.tolist())]
+    rank = tree.sibling_rank.tolist()
+    children: list[list[int]] = [[] for _ in gparent]
+    for c in sorted((c for c, g in enumerate(gparent) if g >= 0), key=lambda c: rank[c]):
+        children[gparent[c]].append(c)
+    return gparent, cu, children
+
+
+def _host_walk(tree: Any, cu: list[int], accept) -> tuple[list, list, list, list[int]]:
+    """Walk every request from its root: ``accept(cur)`` returns the accepted child of
+    node ``cur`` (global index) or None. Returns the -1 padded host lists (accepted
+    length, path nodes, emitted tokens without the bonus) and the stop nodes."""
     b, width = tree.num_requests, tree.max_depth + 1
     acc_len = [1] * b
-    nodes = [[-1] * width for _ in range(b)]
+    nodes = [[0] + [-1] * (width - 1) for _ in range(b)]
     out = [[-1] * width for _ in range(b)]
+    stops = []
     for r in range(b):
-        s, e = cu[r], cu[r + 1]
-        children: dict[int, list[int]] = {}
-        for i in range(1, e - s):
-            children.setdefault(parents[s + i], []).append(i)
-        cur, path, emitted = 0, nodes[r], out[r]
-        path[0] = 0
-        while True:
-            want = best[s + cur]
-            nxt = next((c for c in children.get(cur, ()) if toks[s + c] == want), None)
-            if nxt is None:
-                break
-            emitted[acc_len[r] - 1] = want
-            path[acc_len[r]] = cur = nxt
+        cur = cu[r]
+        while (nxt := accept(cur)) is not None:
+            out[r][acc_len[r] - 1] = nxt
+            nodes[r][acc_len[r]] = nxt - cu[r]
             acc_len[r] += 1
-        emitted[acc_len[r] - 1] = best[s + cur]  # the bonus token
-    dev = amax.device
+            cur = nxt
+        stops.append(cur)
+    return acc_len, nodes, out, stops
+
+
+def _host_result(acc_len, nodes, out, tokens: list[int], bonus: list[int]) -> WalkResult:
+    """``WalkResult`` from ``_host_walk``'s lists (``out`` holds accepted node indices,
+    turned into their tokens here) and each request's bonus token."""
+    for r, n in enumerate(acc_len):
+        row = out[r]
+        for j in range(n - 1):
+            row[j] = tokens[row[j]]
+        row[n - 1] = bonus[r]
     return WalkResult(
-        torch.tensor(acc_len, dtype=torch.int64, device=dev),
-        torch.tensor(nodes, dtype=torch.int64, device=dev),
-        torch.tensor(out, dtype=torch.int64, device=dev),
+        torch.tensor(acc_len, dtype=torch.int64),
+        torch.tensor(nodes, dtype=torch.int64),
+        torch.tensor(out, dtype=torch.int64),
     )
+
+
+def _greedy_python(amax: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
+    """Greedy walk from the argmax per node ``int64[T]``, in Python (CPU, small trees):
+    the child whose token is its parent's argmax (siblings are distinct), then the
+    stop node's argmax as the bonus token."""
+    best, toks = amax.tolist(), tokens.tolist()
+    _, cu, children = _host_tree(tree)
+
+    def accept(cur: int) -> int | None:
+        return next((c for c in children[cur] if toks[c] == best[cur]), None)
+
+    acc_len, nodes, out, stops = _host_walk(tree, cu, accept)
+    return _host_result(acc_len, nodes, out, toks, [best[s] for s in stops])
 
 
 def _target_only_python(
@@ -205,58 +234,31 @@ def _target_only_python(
     siblings' p) < p[t_c]`` with the first passing sibling winning, over host floats
     read once (each child's ``p`` at its token, each node's mass), then one batched
     bonus draw at the stop nodes."""
-    total = probs.shape[0]
     tok = tokens.to(torch.int64)
-    parents, cu = tree.parents.tolist(), tree.cu_nodes.tolist()
-    rid = tree.request_ids.tolist()
-    gparent = [p + cu[r] if p >= 0 else -1 for p, r in zip(parents, rid)]
+    gparent, cu, children = _host_tree(tree)
     child_rows = torch.tensor([max(g, 0) for g in gparent], dtype=torch.int64)
     pt = probs[child_rows, tok].tolist()  # p[parent, token of the child]
     mass = probs.sum(-1).tolist()
-    u = uniforms.to(torch.float64)[:, 0].tolist()
-    rank = tree.sibling_rank.tolist()
-    children: list[list[int]] = [[] for _ in range(total)]
-    for c in sorted((c for c in range(total) if gparent[c] >= 0), key=lambda c: rank[c]):
-        children[gparent[c]].append(c)
-    b, width = tree.num_requests, tree.max_depth + 1
-    acc_len = [1] * b
-    nodes = [[-1] * width for _ in range(b)]
-    out = [[-1] * width for _ in range(b)]
-    stops = []
-    for r in range(b):
-        cur, path = cu[r], nodes[r]
-        path[0] = 0
-        while True:
-            before, nxt = 0.0, None
-            for c in children[cur]:
-                p_c = pt[c]
-                # (cumsum - pt) as the vectorised form computes it: bit for bit
-                cum = before + p_c
-                if u[c] * (mass[cur] - (cum - p_c)) < p_c:
-                    nxt = c
-                    break
-                before = cum
-            if nxt is None:
-                break
-            out[r][acc_len[r] - 1] = int(tok[nxt])
-            path[acc_len[r]] = nxt - cu[r]
-            acc_len[r] += 1
-            cur = nxt
-        stops.append(cur)
+    u = uniforms.to(torch.float64)
+    u_accept = u[:, 0].tolist()
+
+    def accept(cur: int) -> int | None:
+        before = 0.0
+        for c in children[cur]:
+            cum = before + pt[c]
+            # S - (cumsum - pt) as the vectorised form computes it: bit for bit
+            if u_accept[c] * (mass[cur] - (cum - pt[c])) < pt[c]:
+                return c
+            before = cum
+        return None
+
+    acc_len, nodes, out, stops = _host_walk(tree, cu, accept)
     stop = torch.tensor(stops, dtype=torch.int64)
     kids = [children[s] for s in stops]
     kmax = max([1, *map(len, kids)])
     table = torch.tensor([k + [-1] * (kmax - len(k)) for k in kids], dtype=torch.int64)
-    bonus = sample_inverse_cdf(
-        _remove_children(probs[stop], table, tok), uniforms.to(torch.float64)[stop, 1]
-    ).tolist()
-    for r in range(b):
-        out[r][acc_len[r] - 1] = bonus[r]
-    return WalkResult(
-        torch.tensor(acc_len, dtype=torch.int64),
-        torch.tensor(nodes, dtype=torch.int64),
-        torch.tensor(out, dtype=torch.int64),
-    )
+    bonus = sample_inverse_cdf(_remove_children(probs[stop], table, tok), u[stop, 1])
+    return _host_result(acc_len, nodes, out, tok.tolist(), bonus.tolist())
 
 
 def _draft_probs_python(
@@ -271,56 +273,32 @@ def _draft_probs_python(
     ``u_c * q[t_c] < p[t_c]``; after a rejection ``p <- norm(max(p - q, 0))`` and ``q``
     loses ``t_c``), with the same tensor ops on one ``[1, V]`` row at a time, the
     accept tests on host floats, and one batched bonus draw."""
-    total = probs.shape[0]
-    tok = tokens.to(torch.int64)
-    parents, cu = tree.parents.tolist(), tree.cu_nodes.tolist()
-    rid = tree.request_ids.tolist()
-    toks_host = tok.tolist()
+    toks = tokens.to(torch.int64).tolist()
+    _, cu, children = _host_tree(tree)
     u = uniforms.to(torch.float64)
     u_accept = u[:, 0].tolist()
-    rank = tree.sibling_rank.tolist()
-    children: list[list[int]] = [[] for _ in range(total)]
-    for c in sorted((c for c in range(total) if parents[c] >= 0), key=lambda c: rank[c]):
-        children[parents[c] + cu[rid[c]]].append(c)
-    b, width = tree.num_requests, tree.max_depth + 1
-    acc_len = [1] * b
-    nodes = [[-1] * width for _ in range(b)]
-    out = [[-1] * width for _ in range(b)]
-    stops, bonus_rows = [], []
-    for r in range(b):
-        cur, path = cu[r], nodes[r]
-        path[0] = 0
-        while True:
-            p = probs[cur : cur + 1]
-            q = draft_probs[cur : cur + 1].to(torch.float64)
-            nxt = None
-            for c in children[cur]:
-                t = toks_host[c]
-                if u_accept[c] * float(q[0, t]) < float(p[0, t]):
-                    nxt = c
-                    break
-                new_p = torch.clamp(p - q, min=0.0)
-                s = new_p.sum(-1, keepdim=True)
-                p = torch.where(s > 0, new_p / s, p)  # no residual mass (p <= q): keep p
-                new_q = q.scatter(1, torch.tensor([[t]]), 0.0)
-                sq = new_q.sum(-1, keepdim=True)
-                q = torch.where(sq > 0, new_q / sq, new_q)
-            if nxt is None:
-                break
-            out[r][acc_len[r] - 1] = toks_host[nxt]
-            path[acc_len[r]] = nxt - cu[r]
-            acc_len[r] += 1
-            cur = nxt
-        stops.append(cur)
-        bonus_rows.append(p)
-    bonus = sample_inverse_cdf(torch.cat(bonus_rows), u[torch.tensor(stops), 1]).tolist()
-    for r in range(b):
-        out[r][acc_len[r] - 1] = bonus[r]
-    return WalkResult(
-        torch.tensor(acc_len, dtype=torch.int64),
-        torch.tensor(nodes, dtype=torch.int64),
-        torch.tensor(out, dtype=torch.int64),
-    )
+    residual: dict[int, torch.Tensor] = {}  # stop node -> its (residual) target row
+
+    def accept(cur: int) -> int | None:
+        p = probs[cur : cur + 1]
+        q = draft_probs[cur : cur + 1].to(torch.float64)
+        for c in children[cur]:
+            t = toks[c]
+            if u_accept[c] * float(q[0, t]) < float(p[0, t]):
+                return c
+            new_p = torch.clamp(p - q, min=0.0)
+            s = new_p.sum(-1, keepdim=True)
+            p = torch.where(s > 0, new_p / s, p)  # no residual mass (p <= q): keep p
+            new_q = q.scatter(1, torch.tensor([[t]]), 0.0)
+            sq = new_q.sum(-1, keepdim=True)
+            q = torch.where(sq > 0, new_q / sq, new_q)
+        residual[cur] = p
+        return None
+
+    acc_len, nodes, out, stops = _host_walk(tree, cu, accept)
+    rows = torch.cat([residual[s] for s in stops])
+    bonus = sample_inverse_cdf(rows, u[torch.tensor(stops), 1])
+    return _host_result(acc_len, nodes, out, toks, bonus.tolist())
 
 
 def _greedy_levels(logits: torch.Tensor, tokens: torch.Tensor, tree: Any) -> WalkResult:
