@@ -181,16 +181,23 @@ def narrow_gemm(
         )
     if bias is not None and (tuple(bias.shape) != (out_features,) or bias.dtype != torch.float32):
         raise ValueError(f"bias: expected fp32 [{out_features}], got {tuple(bias.shape)}")
-    x = x.contiguous()
     bias = None if bias is None else bias.detach().contiguous()
-    y = torch.empty(m, out_features, dtype=torch.float32)
+    return _run(lib, x, panels, out_features, bias)
+
+
+def _run(lib, x, panels, n, bias) -> torch.Tensor:
+    """The kernel call itself, unchecked: ``x [M, K]`` fp32 CPU (made contiguous here),
+    ``panels`` / ``bias`` contiguous and of matching shapes."""
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
     if m:
         lib.narrow_gemm(
             x.data_ptr(),
             m,
             k,
             panels.data_ptr(),
-            out_features,
+            n,
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
         )
@@ -212,18 +219,8 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if 0 < rows <= self._narrow_max_rows and x.dtype == torch.float32 and x.device.type == "cpu":
         # narrow_gemm without its checks: the layer's own panels and bias fit by
         # construction, and the per-call cost is what this path exists to cut
-        n, bias = self.out_features, self.bias
-        flat = x.reshape(rows, k).contiguous()
-        out = torch.empty(rows, n, dtype=torch.float32)
-        _library().narrow_gemm(
-            flat.data_ptr(),
-            rows,
-            k,
-            _panels(self).data_ptr(),
-            n,
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-        )
+        n = self.out_features
+        out = _run(_library(), x.reshape(rows, k), _panels(self), n, self.bias)
         return out.view(*x.shape[:-1], n)
     previous = self._narrow_previous
     if previous is not None:

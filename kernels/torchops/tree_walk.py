@@ -473,8 +473,8 @@ def tree_walk(
     Returns:
         ``WalkResult`` of int64 ``[B]``, ``[B, D+1]``, ``[B, D+1]``, -1 padded.
     """
+    cpu = logits.device.type == "cpu"
     if mode == "greedy":
-        cpu = logits.device.type == "cpu"
         if cpu and logits.numel() > _ARGMAX_ALL_MAX:
             return _greedy_levels(logits, tokens, tree)
         amax = torch.argmax(logits, dim=-1)
@@ -483,20 +483,15 @@ def tree_walk(
         return greedy_from_argmax(amax, tokens, tree)
     ids = torch.arange(tree.num_requests, device=logits.device)
     rows = lambda cur: target_probs(logits[cur], ids, temperature, top_p)  # visited nodes only
-    small = (
-        logits.device.type == "cpu"
-        and tokens.shape[0] <= _PY_WALK_MAX_NODES
-        and logits.numel() <= _ARGMAX_ALL_MAX
-    )
-    if mode == "draft_probs":
-        if small:
-            probs = target_probs(logits, tree.request_ids, temperature, top_p)
+    small = cpu and tokens.shape[0] <= _PY_WALK_MAX_NODES and logits.numel() <= _ARGMAX_ALL_MAX
+    if small and mode in ("target_only", "draft_probs"):
+        probs = target_probs(logits, tree.request_ids, temperature, top_p)
+        if mode == "draft_probs":
             return _draft_probs_python(probs, tokens, tree, uniforms, draft_probs)
+        return _target_only_python(probs, tokens, tree, uniforms)
+    if mode == "draft_probs":
         return _draft_probs(rows, logits.shape[1], tokens, tree, uniforms, draft_probs)
-    if mode == "target_only" and logits.device.type == "cpu":
-        if small:
-            probs = target_probs(logits, tree.request_ids, temperature, top_p)
-            return _target_only_python(probs, tokens, tree, uniforms)
+    if mode == "target_only" and cpu:
         return _target_only_levels(rows, tokens, tree, uniforms)
     probs = target_probs(logits, tree.request_ids, temperature, top_p)
     return walk_from_probs(probs, tokens, tree, mode, uniforms, draft_probs)
