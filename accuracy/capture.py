@@ -14,6 +14,7 @@ from .patterns import match_modules, split_vision_patterns
 from .registry import TensorRegistry
 from .tensor_io import TreeMetadata
 from .writer import CaptureWriter
+from .writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class ModelCapture:
         cfg = {"modules": list(modules), "matched": self._capture_names, "name_prefix": name_prefix}
         cfg.update(config or {})
         self._writer = CaptureWriter(write_dir, dp_rank, tp_rank, capture_filter, config=cfg)
+        self.writes: WriterProcess | None = None  # set: passes go to that writer process
 
     @property
     def capture_names(self) -> list[str]:
@@ -142,7 +144,9 @@ class ModelCapture:
 
         ``positions`` may be empty/None: then ``0..T-1`` with ``T`` the token count
         of the first capture (dim 1 of a ``[1, T, ...]`` tensor, else dim 0).
-        Returns the forward-pass directory written, or None.
+        Returns the forward-pass directory written, or None (also when the pass went to
+        :attr:`writes`, a :class:`~accuracy.writer_process.WriterProcess` of this
+        writer's settings, which writes it later).
         """
         TensorRegistry._instance = self._prev_instance
         self._prev_instance = None
@@ -161,6 +165,21 @@ class ModelCapture:
             positions = list(range(int(n)))
         elif isinstance(positions, torch.Tensor) and positions.dim() > 1:
             positions = positions.reshape(-1)
+        if self.writes is not None:
+            pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
+            self.writes.submit(
+                f"a pass under {self._writer.capture_dir}",
+                [t for _, t in items],
+                [n for n, _ in items],
+                req_ids,
+                [int(p) for p in pos],
+                is_prefill,
+                tree=tree.to_dict() if isinstance(tree, TreeMetadata) else tree,
+                padding_mask=padding_mask,
+                token_ids=token_ids,
+                extra=extra,
+            )
+            return None
         return self._writer.write(
             [t for _, t in items],
             [n for n, _ in items],

@@ -21,13 +21,15 @@ patches):
 - the worker's ``compile_or_warm_up_model``: enables disk writes after warmup; its
   ``shutdown`` flushes the queued writes.
 
-Writes run on a background thread (:class:`_AsyncWrites`): the forward only hands over
-the captured tensors (already copies) and the pass's metadata; every queued pass is on
-disk before a step that may finish a request returns its output, at worker shutdown, at
-exit and after :func:`flush_captures`. A write error is re-raised (``RuntimeError``
-naming the pass and the file) by the next step and by every flush.
-``"async_writes": False`` waits for each pass before the next step (the previous
-behaviour); ``"max_pending"`` (default 64) bounds the queued passes.
+Writes run in a child process (:class:`~accuracy.writer_process.WriterProcess`, on the
+CPUs the worker's forward is not bound to): the forward only copies the captured bytes
+and the pass's metadata into a pipe, so the disk I/O and the file-format work never
+compete with it for the GIL. Every queued pass is on disk before a step that may finish
+a request returns its output, at worker shutdown, at exit and after
+:func:`flush_captures`. A write error is re-raised (``RuntimeError`` naming the pass and
+the file) by the next step and by every flush. ``"async_writes": False`` writes each pass
+in the worker before the next step; ``"max_pending"`` (default 64) bounds the passes in
+flight.
 
 The draft model of speculative decoding (``draft_modules``) is captured around each of its
 forward calls into ``capture_dir/draft``.
@@ -54,7 +56,6 @@ the residual add deferred; their capture stacks both as ``[2, T, H]`` (see
 from __future__ import annotations
 
 import atexit
-import copy
 import functools
 import logging
 import os
@@ -77,6 +78,7 @@ from .replacement import (
     get_replacement_tensor,
     set_active_context,
 )
+from .writer_process import WriterProcess
 
 logger = logging.getLogger(__name__)
 
@@ -311,63 +313,7 @@ def _expected_features(model: nn.Module, name: str, hidden: int, vocab: int) -> 
 # ----------------------------------------------------------------------------- async writes
 
 
-class _AsyncWrites:
-    """Capture writes on a background thread, so the disk I/O of step ``s`` overlaps the
-    sampling, scheduling and forward of the next steps.
-
-    The forward only hands over tensors it owns (the hooks' stacks and clones, copied off
-    an accelerator) and the pass's metadata; a bounded queue (``max_pending`` passes)
-    blocks the forward when the disk falls behind, so memory stays bounded. A failed
-    write is kept and re-raised, as ``RuntimeError`` naming the pass and the file, by the
-    next :meth:`submit` and by :meth:`flush`; once one write failed, later ones are not
-    attempted (so no pass after a missing one lands on disk). :meth:`flush` waits for
-    every submitted write. The runner flushes before a step that may finish a request
-    returns (a request's captures are complete on disk when its output reaches the
-    user), :func:`flush_captures` flushes every writer of this process, and an
-    ``atexit`` hook flushes at interpreter exit (engine shutdown).
-    """
-
-    def __init__(self, max_pending: int = 64) -> None:
-        import queue
-        import threading
-
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="treespec-capture", daemon=True)
-        self._thread.start()
-        _WRITERS.add(self)
-
-    def _run(self) -> None:
-        while True:
-            what, fn = self._q.get()
-            try:
-                if self._error is None:
-                    fn()
-            except BaseException as e:  # surfaced by submit() / flush()
-                err = RuntimeError(f"treespec capture: writing {what} failed: {e}")
-                err.__cause__ = e
-                self._error = err
-            finally:
-                self._q.task_done()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def submit(self, fn: Callable[[], Any], what: str = "a capture pass") -> None:
-        """Queue ``fn`` (one pass's write; ``what`` names it in errors); raises the
-        error of an earlier write first."""
-        self._raise()
-        self._q.put((what, fn))
-
-    def flush(self) -> None:
-        """Wait for every queued write; raise the first error (RuntimeError)."""
-        self._q.join()
-        self._raise()
-
-
-_WRITERS: weakref.WeakSet[_AsyncWrites] = weakref.WeakSet()
+_WRITERS: weakref.WeakSet[WriterProcess] = weakref.WeakSet()
 
 
 def flush_captures() -> None:
@@ -410,9 +356,12 @@ class _RunnerState:
     step_meta: dict[str, Any] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
     warmup_stats: dict[str, int] = field(default_factory=dict)
-    writes: _AsyncWrites | None = None
     async_writes: bool = True
     seq: int = 0
+
+    def writer_processes(self) -> list[WriterProcess]:
+        """The writer processes of the target's and the draft's captures."""
+        return [c.writes for c in (self.target, self.draft) if c is not None and c.writes]
 
 
 def compile_stats() -> dict[str, int]:
@@ -529,6 +478,11 @@ def _setup(runner) -> None:
             st.handles += _draft_bracket(runner, dmodel)
     if st.target is not None:
         TensorRegistry._instance = st.target.registry
+    if cap is not None and st.async_writes:  # started now: start-up overlaps compile, warmup
+        for mc in (st.target, st.draft):
+            if mc is not None:
+                mc.writes = WriterProcess(mc.writer.settings(), cap.get("max_pending", 64))
+                _WRITERS.add(mc.writes)
 
 
 def _manifest_cfg(runner, cap: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
@@ -759,9 +713,7 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
     tree_md = None
     if tree is not None:
         raw = tree.pop("raw")
-        extra["tree_batch"] = copy.deepcopy(  # written later, on the writer thread
-            {k: raw[k] for k in ("req_ids", "parents", "tokens", "prefix_lens")}
-        )
+        extra["tree_batch"] = {k: raw[k] for k in ("req_ids", "parents", "tokens", "prefix_lens")}
         ib = runner.input_batch
         extra["tree_context"] = {  # committed tokens before each tree's root (position P)
             rid: ib.token_ids_cpu[i, : meta["num_computed_tokens"][i] + 1].tolist()
@@ -775,32 +727,27 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
     TensorRegistry._instance, cap._prev_instance = cap._prev_instance, None
     if not items:
         return
-    # the forward's outputs may live in reused buffers on an accelerator (CUDA graphs):
-    # copy them (asynchronously, on the device) before the next step; CPU tensors are
-    # already the hooks' own stacks / clones
-    items = [(n, t if t.device.type == "cpu" else t.clone()) for n, t in items]
-    if st.writes is None:
-        st.writes = _AsyncWrites(st.cfg["tensor_capture"].get("max_pending", 64))
+    # both routes copy the tensors before the next step (the forward's outputs may live
+    # in reused buffers on an accelerator): the writer process's pipe takes their bytes now
+    tensors, names = [t for _, t in items], [n for n, _ in items]
+    args = dict(
+        req_ids=meta["req_ids"],
+        positions=positions,
+        is_prefill=meta["is_prefill"],
+        tree=tree_md,
+        padding_mask=padding,
+        token_ids=token_ids,
+        extra=extra,
+    )
     what = (
         f"capture pass {st.seq} ({'prefill' if meta['is_prefill'] else 'decode'}, "
         f"{slots} slots) under {os.path.join(cap.writer.capture_dir, f'dp{cap.writer.dp_rank}')}"
     )
     st.seq += 1
-    st.writes.submit(
-        functools.partial(
-            cap.writer.write,
-            [t for _, t in items],
-            [n for n, _ in items],
-            meta["req_ids"],
-            positions,
-            meta["is_prefill"],
-            tree=tree_md,
-            padding_mask=padding,
-            token_ids=token_ids,
-            extra=extra,
-        ),
-        what,
-    )
+    if cap.writes is None:  # "async_writes": False: on disk before the next step
+        cap.writer.write(tensors, names, **args)
+    else:
+        cap.writes.submit(what, tensors, names, **args)
 
 
 def _wrap_execute_model(runner, orig: Callable) -> Callable:
@@ -808,8 +755,6 @@ def _wrap_execute_model(runner, orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def execute_model(scheduler_output, *args, **kwargs):
-        if st.writes is not None and not st.async_writes:
-            st.writes.flush()  # "async_writes": False: a pass is on disk before the next
         st.scheduler_output = scheduler_output
         if st.replacer is not None:
             for new in scheduler_output.scheduled_new_reqs:
@@ -846,8 +791,9 @@ def _wrap_sample_tokens(runner, orig: Callable) -> Callable:
     @functools.wraps(orig)
     def sample_tokens(*args, **kwargs):
         out = orig(*args, **kwargs)
-        if st.writes is not None and _may_finish(runner, out):
-            st.writes.flush()
+        if st.writer_processes() and _may_finish(runner, out):
+            for w in st.writer_processes():
+                w.flush()
         return out
 
     return sample_tokens
@@ -911,8 +857,8 @@ def _patch_worker(cls) -> None:
         @functools.wraps(orig_shutdown)
         def shutdown(self, *args, **kwargs):
             st = getattr(getattr(self, "model_runner", None), _STATE_ATTR, None)
-            if st is not None and st.writes is not None:
-                st.writes.flush()  # engine shutdown: every queued pass reaches the disk
+            for w in st.writer_processes() if st is not None else []:
+                w.close()  # engine shutdown: every queued pass reaches the disk
             return orig_shutdown(self, *args, **kwargs)
 
         cls.shutdown = shutdown

@@ -167,7 +167,9 @@ class ForwardPassMetadata:
     shapes: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """The fields as a JSON-ready dict: top-level lists and dicts are copies, their
+        contents shared (no deep copy: this runs once per captured pass)."""
+        d = {f.name: _shallow(getattr(self, f.name)) for f in dataclasses.fields(self)}
         d["tree"] = self.tree.to_dict() if self.tree is not None else None
         return d
 
@@ -294,18 +296,70 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise
 
 
-def atomic_write_json(path: str, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+def atomic_write_json(path: str, obj: Any, indent: int | None = 1) -> None:
+    """Atomic JSON file; ``indent=None`` writes one compact line (the C encoder: the
+    per-pass metadata, written once per forward)."""
+    text = json.dumps(obj, indent=indent, sort_keys=False)
+    atomic_write_bytes(path, (text + "\n").encode())
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_AS_NUMPY = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: its bits as int16
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` (a CPU copy where it lives elsewhere), row-major, any
+    shape (0-d and empty included); no copy for a contiguous CPU tensor."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype in _AS_NUMPY:
+        t = t.view(_AS_NUMPY[t.dtype])
+    return memoryview(t.numpy().reshape(-1).view("u1"))
+
+
+def safetensors_bytes(tensor: torch.Tensor, metadata: dict[str, str] | None = None) -> bytes:
+    """One tensor (key ``"tensor"``) in the safetensors format, encoded directly: an
+    8-byte little-endian header length, the JSON header padded with spaces to 8 bytes,
+    the raw data. ``safetensors``' own loaders read it; dtypes outside the format's
+    common ones go through the library."""
+    code = _SAFETENSORS_DTYPES.get(tensor.dtype)
+    if code is None:
+        from safetensors.torch import save
+
+        t = tensor.detach().cpu().contiguous()
+        return save({_TENSOR_KEY: t}, metadata=metadata)
+    data = tensor_bytes(tensor)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    header[_TENSOR_KEY] = {
+        "dtype": code,
+        "shape": list(tensor.shape),
+        "data_offsets": [0, len(data)],
+    }
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    return b"".join((len(h).to_bytes(8, "little"), h, data))
 
 
 def save_tensor_file(path: str, tensor: torch.Tensor, metadata: dict[str, str] | None = None):
     """Atomically write one tensor as safetensors (key ``"tensor"``)."""
-    from safetensors.torch import save
-
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    atomic_write_bytes(path, save({_TENSOR_KEY: t.contiguous()}, metadata=metadata))
+    atomic_write_bytes(path, safetensors_bytes(tensor, metadata))
 
 
 def write(
@@ -318,7 +372,8 @@ def write(
     Each file is written atomically; a forward-pass directory without its
     ``{dir_name}_meta.json`` is incomplete and :func:`read` rejects it.
     """
-    os.makedirs(capture_dir, exist_ok=True)
+    if manifest is not None:
+        os.makedirs(capture_dir, exist_ok=True)
     for fwd in forward_passes:
         parse_dir_name(fwd.dir_name)
         fdir = os.path.join(capture_dir, fwd.dir_name)
@@ -342,9 +397,15 @@ def write(
         if os.path.isfile(path):  # another TP rank's pass: refuse a mismatch before writing
             _merge_rank_meta(_read_meta(fdir, fwd.dir_name), meta, path)
         for name, ranks in fwd.tensors.items():
+            mdir = os.path.join(fdir, name)
             for rank, tensor in ranks.items():
+                fpath = os.path.join(mdir, f"rank{int(rank)}.safetensors")
+                try:  # one mkdir per module directory, then one open per file
+                    os.makedirs(mdir, exist_ok=True)
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot write {fpath}: {e.strerror or e}") from e
                 save_tensor_file(
-                    os.path.join(fdir, name, f"rank{int(rank)}.safetensors"),
+                    fpath,
                     tensor,
                     {"name": name, "rank": str(int(rank))},
                 )
@@ -352,7 +413,7 @@ def write(
         with _dir_lock(fdir):  # TP ranks write the same pass: merge, never overwrite
             if os.path.isfile(path):  # another rank's metadata is merged; this rank's replaced
                 meta = _merge_rank_meta(_read_meta(fdir, fwd.dir_name), meta, path)
-            atomic_write_json(path, meta)
+            atomic_write_json(path, meta, indent=None)
     if manifest is not None:
         atomic_write_json(os.path.join(capture_dir, MANIFEST_NAME), manifest)
 
@@ -536,6 +597,14 @@ def read_manifest(capture_dir: str) -> dict[str, Any] | None:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: unreadable manifest ({e})") from e
+
+
+def _shallow(v: Any) -> Any:
+    if isinstance(v, list):
+        return list(v)
+    if isinstance(v, dict):
+        return dict(v)
+    return v
 
 
 def _as_list(v: Any, what: str) -> list:

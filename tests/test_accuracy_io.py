@@ -400,3 +400,34 @@ def test_atomic_write_mode_directories_and_errors_naming_the_file(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match=f"cannot write {tmp_path}/file/sub/rank0.safetensors"):
         tio.atomic_write_bytes(str(tmp_path / "file" / "sub" / "rank0.safetensors"), b"x")
+
+
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+           torch.float8_e4m3fn]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 5), (7,), (), (0, 4)], ids=str)
+def test_safetensors_bytes_are_read_by_safetensors_itself(dtype, shape, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    from accuracy.tensor_io import safetensors_bytes
+
+    t = (torch.randn(shape) * 50).to(dtype)
+    if len(shape) == 3:
+        t = t.transpose(0, 2)  # not contiguous
+    data = safetensors_bytes(t, {"name": "model.layers.0", "rank": "0"})
+    back = load(data)["tensor"]
+    assert back.dtype == t.dtype and back.shape == t.shape
+
+    def bits(x):
+        return x.contiguous().reshape(-1).view(torch.uint8)
+
+    assert torch.equal(bits(back), bits(t))
+    path = tmp_path / "rank0.safetensors"
+    path.write_bytes(data)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"name": "model.layers.0", "rank": "0"}
+        assert torch.equal(bits(f.get_tensor("tensor")), bits(t))

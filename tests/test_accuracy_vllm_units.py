@@ -3,11 +3,8 @@ start-up validation against a model, vLLM layouts (request split, deferred resid
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import pickle
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +13,7 @@ import torch.nn as nn
 
 from accuracy import in_vllm
 from accuracy.tensor_io import CapturedForwardPass, ForwardPassMetadata
-from accuracy.tensor_io import read as read_captures
 from accuracy.vllm_compare import split_by_request, vllm_reconstruct
-from accuracy.writer import CaptureWriter
 
 H, V = 8, 16
 
@@ -195,70 +190,6 @@ def test_hf_vs_vllm_rejects_bad_input_before_starting_vllm(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert main(args + ["--max-tokens", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--max-tokens must be >= 1" in capsys.readouterr().err
-
-
-def _writer(root) -> CaptureWriter:
-    w = CaptureWriter(str(root))
-    w.enable()
-    return w
-
-
-def _write_fn(w, step: int):
-    ts = [torch.full((2, 1, H), float(step)), torch.full((1, V), float(-step))]
-    return functools.partial(w.write, ts, ["model.layers.0", "lm_head"], ["r0"], [step], False)
-
-
-def test_background_writes_are_all_on_disk_after_flush(tmp_path, monkeypatch):
-    import accuracy.tensor_io as tio
-
-    real = tio.save_tensor_file
-
-    def slow_save(*a, **k):  # the disk lags the forward: passes queue up
-        time.sleep(0.005)
-        return real(*a, **k)
-
-    monkeypatch.setattr(tio, "save_tensor_file", slow_save)
-    w, writes = _writer(tmp_path), in_vllm._AsyncWrites(max_pending=4)
-    for step in range(12):
-        writes.submit(_write_fn(w, step), f"pass {step}")
-    in_vllm.flush_captures()  # every writer of the process, this one included
-    passes = read_captures(str(tmp_path))
-    assert [p.dir_name for p in passes] == [f"decode_b1_{i}" for i in range(12)]
-    for i, p in enumerate(passes):
-        assert p.metadata.positions == [i] and p.metadata.seq == i
-        assert torch.equal(p.tensors["model.layers.0"][0], torch.full((2, 1, H), float(i)))
-        assert torch.equal(p.tensors["lm_head"][0], torch.full((1, V), float(-i)))
-
-
-def test_background_write_error_surfaces_naming_the_file(tmp_path):
-    w, writes = _writer(tmp_path), in_vllm._AsyncWrites()
-    writes.submit(_write_fn(w, 0), "pass 0")
-    writes.flush()
-    # a file where the next pass's module directory must go: that write fails
-    blocker = tmp_path / "dp0" / "decode_b1_1" / "lm_head"
-    blocker.parent.mkdir(parents=True)
-    blocker.write_text("not a directory")
-    writes.submit(_write_fn(w, 1), "pass 1")
-    with pytest.raises(RuntimeError, match=r"writing pass 1 failed.*lm_head/rank0\.safetensors"):
-        writes.flush()
-    writes.flush()  # reported once, then the writer goes on
-    blocker.unlink()
-    writes.submit(_write_fn(w, 3), "pass 3")
-    writes.flush()
-    assert sorted(os.listdir(tmp_path / "dp0")) == ["decode_b1_0", "decode_b1_1"]
-    assert read_captures(str(tmp_path / "dp0"))[1].metadata.positions == [3]
-
-
-def test_background_write_error_is_raised_by_the_next_submit(tmp_path):
-    writes = in_vllm._AsyncWrites()
-
-    def fail():
-        raise OSError(28, f"cannot write {tmp_path}/x/rank0.safetensors: No space left")
-
-    writes.submit(fail, "pass 7")
-    writes._q.join()
-    with pytest.raises(RuntimeError, match=r"pass 7 failed.*x/rank0\.safetensors"):
-        writes.submit(lambda: None, "pass 8")
 
 
 def test_capture_config_checks_the_writer_options(tmp_path):
