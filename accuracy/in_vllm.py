@@ -739,15 +739,14 @@ def _save_target(runner, st: _RunnerState, meta: dict[str, Any], out: Any) -> No
         token_ids=token_ids,
         extra=extra,
     )
-    what = (
-        f"capture pass {st.seq} ({'prefill' if meta['is_prefill'] else 'decode'}, "
-        f"{slots} slots) under {os.path.join(cap.writer.capture_dir, f'dp{cap.writer.dp_rank}')}"
-    )
-    st.seq += 1
+    seq, st.seq = st.seq, st.seq + 1
     if cap.writes is None:  # "async_writes": False: on disk before the next step
         cap.writer.write(tensors, names, **args)
-    else:
-        cap.writes.submit(what, tensors, names, **args)
+        return
+    phase = "prefill" if meta["is_prefill"] else "decode"
+    where = os.path.join(cap.writer.capture_dir, f"dp{cap.writer.dp_rank}")
+    cap.writes.submit(f"capture pass {seq} ({phase}, {slots} slots) under {where}",
+                      tensors, names, **args)  # fmt: skip
 
 
 def _wrap_execute_model(runner, orig: Callable) -> Callable:

@@ -315,6 +315,7 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_DTYPE_BY_NAME = {str(d).replace("torch.", ""): d for d in _SAFETENSORS_DTYPES}
 _AS_NUMPY = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: its bits as int16
 
 
@@ -330,6 +331,18 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.dtype in _AS_NUMPY:
         t = t.view(_AS_NUMPY[t.dtype])
     return memoryview(t.numpy().reshape(-1).view("u1"))
+
+
+def tensor_from_bytes(buf: memoryview | bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    """Inverse of :func:`tensor_bytes`: a tensor of ``dtype`` (its torch name, e.g.
+    ``"bfloat16"``) and ``shape`` over a copy of ``buf``; ValueError naming a dtype
+    outside the common ones."""
+    dt = _DTYPE_BY_NAME.get(dtype)
+    if dt is None:
+        raise ValueError(f"capture frame: unknown dtype {dtype!r}")
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dt).reshape(shape)
 
 
 def safetensors_bytes(tensor: torch.Tensor, metadata: dict[str, str] | None = None) -> bytes:

@@ -30,6 +30,7 @@ forward threads), when there are any.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -41,44 +42,17 @@ from typing import Any
 
 import torch
 
-from .tensor_io import tensor_bytes
+from .tensor_io import tensor_bytes, tensor_from_bytes
 
 _LEN = struct.Struct(">I")
 _CHILD = "import sys; from accuracy.writer_process import main; sys.exit(main())"
-_DTYPES = {
-    str(d).replace("torch.", ""): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
 
 
 def _json_default(o: Any) -> Any:
     """JSON for the scalar and array types metadata may carry (tensors, numpy values)."""
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if hasattr(o, "tolist"):  # numpy arrays and scalars
+    if hasattr(o, "tolist"):
         return o.tolist()
     raise TypeError(f"capture metadata: {type(o).__name__} is not JSON-serialisable: {o!r}")
-
-
-def _tensor_from(buf: memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
-    """Inverse of :func:`~accuracy.tensor_io.tensor_bytes`; ValueError naming an unknown dtype."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"capture frame: unknown dtype {dtype!r}")
-    if len(buf) == 0:
-        return torch.empty(shape, dtype=_DTYPES[dtype])
-    flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-    return flat.view(_DTYPES[dtype]).reshape(shape)
 
 
 class WriterProcess:
@@ -267,10 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     init = json.loads(argv[0])
     cpus = set(init.get("cpus") or ())
     if cpus and hasattr(os, "sched_setaffinity"):
-        try:
+        with contextlib.suppress(OSError):  # CPUs taken away since: keep the inherited
             os.sched_setaffinity(0, cpus)
-        except OSError:
-            pass
     os.nice(10)  # the engine's own processes share these CPUs: they go first
     torch.set_num_threads(1)
     acks = os.fdopen(os.dup(1), "w", buffering=1)
@@ -303,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         error = None
         if not failed:
             try:
-                caps = [_tensor_from(memoryview(b), d, s) for d, s, b in tensors]
+                caps = [tensor_from_bytes(b, d, s) for d, s, b in tensors]
                 names = [t[0] for t in header["tensors"]]
                 writer.write(caps, names, **header["args"])
             except Exception as e:  # reported to the parent, which raises it

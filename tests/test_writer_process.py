@@ -15,9 +15,9 @@ import torch
 
 from accuracy import in_vllm
 from accuracy.tensor_io import read as read_captures
-from accuracy.tensor_io import tensor_bytes
+from accuracy.tensor_io import tensor_bytes, tensor_from_bytes
 from accuracy.writer import CaptureWriter
-from accuracy.writer_process import WriterProcess, _tensor_from
+from accuracy.writer_process import WriterProcess
 
 H, V = 8, 16
 
@@ -65,14 +65,14 @@ def writers(tmp_path):
 @pytest.mark.parametrize("name", list(TENSORS))
 def test_tensor_bytes_round_trip_bitwise(name):
     t = TENSORS[name]
-    back = _tensor_from(tensor_bytes(t), str(t.dtype).replace("torch.", ""), list(t.shape))
+    back = tensor_from_bytes(tensor_bytes(t), str(t.dtype).replace("torch.", ""), list(t.shape))
     assert back.dtype == t.dtype and back.shape == t.shape
     assert torch.equal(back, t)
 
 
 def test_unknown_dtype_in_a_frame_is_a_value_error():
     with pytest.raises(ValueError, match="unknown dtype 'complex32'"):
-        _tensor_from(memoryview(b"\0" * 4), "complex32", [1])
+        tensor_from_bytes(memoryview(b"\0" * 4), "complex32", [1])
 
 
 def test_child_writes_what_an_in_process_writer_writes(tmp_path, writers):
