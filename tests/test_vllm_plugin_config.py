@@ -22,6 +22,9 @@ def test_valid_configs_parse():
     paths = "paths:[(0,), (1,), (0, 0)]"
     assert config.parse({"tree": paths}, spec(n=3)).num_draft_tokens == 3
     assert config.parse({"tree": "ngram:budget=6"}, spec("ngram", 6)).method == "ngram"
+    assert not config.parse({"tree": "chain:5"}, spec("eagle", 5)).draft_sampling
+    sampled = {"tree": "chain:5", "draft_sampling": True}
+    assert config.parse(sampled, spec("eagle", 5)).draft_sampling
 
 
 @pytest.mark.parametrize(
@@ -40,6 +43,12 @@ def test_valid_configs_parse():
         ({"tree": "chain:4", "kernel_backend": "cuda"}, spec(n=4), "kernel_backend"),
         ({"tree": "chain:4", "debug_disable": "walk"}, spec(n=4), "debug_disable"),
         ({"tree": "none"}, spec(n=4), "'none'"),
+        ({"tree": "chain:4", "draft_sampling": 1}, spec(n=4), "['draft_sampling'] = 1"),
+        (
+            {"tree": "topk:k=2,depth=4,budget=8", "draft_sampling": True},
+            spec(),
+            "['draft_sampling'] needs a static tree",
+        ),
     ],
 )
 def test_bad_configs_name_the_field(section, sc, needle):

@@ -1,7 +1,9 @@
 """A static tree and a chain through the plugin, with the draft LM inside vLLM.
 
 The static tree's engine runs with prefix caching on (vLLM's default) and the same prompt
-prefixes shared across requests; the chain's with prefix caching off.
+prefixes shared across requests, and with sampled drafts (``draft_sampling``: greedy
+requests keep the top-ranked children, sampled ones draw them from the draft); the chain's
+with prefix caching off.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from vllm_engines import (  # noqa: E402
     DRAFT,
     PROMPTS,
     SHARED,
+    assert_first_tree_token_is_targets,
     assert_lossless,
     make_llm,
     plain_outputs,
@@ -24,18 +27,18 @@ from vllm_engines import (  # noqa: E402
 PATHS = "paths:[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
 
 
-def engine(tree: str, n: int, **kw):
+def engine(tree: str, n: int, treespec: dict | None = None, **kw):
     return make_llm(
         max_num_seqs=8,
         speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": n},
-        additional_config={"treespec": {"tree": tree}},
+        additional_config={"treespec": {"tree": tree, **(treespec or {})}},
         **kw,
     )
 
 
 @pytest.fixture(scope="module")
 def static_llm():
-    llm = engine(PATHS, 8)
+    llm = engine(PATHS, 8, {"draft_sampling": True})
     yield llm
     shutdown(llm)
 
@@ -47,6 +50,13 @@ def test_static_tree_lossless_batch_1_and_concurrent(static_llm):
     stats = tree_stats(static_llm)
     assert stats["tokens_per_step"] > 1.5
     assert len(stats["acceptance_per_depth"]) == 4
+
+
+def test_sampled_drafts_are_lossless(static_llm):
+    """Children drawn from the draft, verified by the residual rule (``draft_probs``):
+    the first token a tree step emits is distributed as the target's."""
+    assert_first_tree_token_is_targets(static_llm, PROMPTS[3][:24], mode="draft_probs")
+    assert tree_stats(static_llm)["walks"]["greedy"] > 0  # greedy requests walked greedily
 
 
 def test_chain_lossless_without_prefix_caching(static_llm):

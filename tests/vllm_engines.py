@@ -161,3 +161,50 @@ def assert_lossless(llm, prompts: list[list[int]], reference: list[list[int]], b
         outs = generate(llm, prompts, params)
     diverged = [i for i, (a, b) in enumerate(zip(outs, reference)) if a != b]
     assert not diverged, f"prompts {diverged} diverge from vLLM's plain greedy output"
+
+
+def target_probs(prefix: list[int], temperature: float):
+    """The HF target's next-token distribution after ``prefix`` at ``temperature``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix])).logits[0, -1]
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def assert_first_tree_token_is_targets(
+    llm, prompt: list[int], temperature: float = 0.8, n: int = 1500, mode: str | None = None
+) -> None:
+    """Lossless sampling: ``n`` two-token requests; the second token (the first a tree step
+    emits) given the most frequent first one is distributed as the target's (chi-square,
+    p > 1e-3). With ``mode``, every one of those tree steps walked in that mode."""
+    import torch
+    from scipy.stats import chisquare
+    from vllm import SamplingParams
+
+    before = tree_stats(llm)
+    # unseeded: vLLM 0.32's CPU runner cannot rewind a seeded request's generator when a
+    # chunked prefill discards a sample ("CPU Generator does not use offset")
+    params = [SamplingParams(temperature=temperature, max_tokens=2) for _ in range(n)]
+    outs = generate(llm, [prompt] * n, params)
+    after = tree_stats(llm)
+    firsts = torch.tensor([o[0] for o in outs])
+    x1 = int(torch.mode(firsts).values)  # condition on the most likely first token
+    seconds = torch.tensor([o[1] for o in outs if o[0] == x1])
+    assert len(seconds) > 300
+    p = target_probs(prompt + [x1], temperature)
+    order = torch.argsort(p, descending=True)
+    exp = p[order] * len(seconds)
+    k = int((exp >= 5).sum())  # bins with >= 5 expected, the rest pooled
+    obs = torch.stack([(seconds == t).sum() for t in order[:k]]).float()
+    obs = torch.cat([obs, (len(seconds) - obs.sum()).view(1)])
+    exp = torch.cat([exp[:k], (len(seconds) - exp[:k].sum()).view(1)])
+    assert k >= 2
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    # every second token came from a tree step
+    assert after["tree_steps"] - before["tree_steps"] >= n
+    if mode is not None:
+        walked = after["walks"].get(mode, 0) - before["walks"].get(mode, 0)
+        assert walked >= n, (mode, before["walks"], after["walks"])

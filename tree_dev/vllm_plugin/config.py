@@ -15,6 +15,12 @@ Keys of the ``treespec`` dict read here (other keys belong to the accuracy tooli
   verification off. For tests that prove the lossless checks can fail; never for serving.
 - ``record_trees``: keep the first N proposed trees in the worker (for tests comparing the
   two engines' trees; ``runner.worker_recorded_trees``).
+- ``draft_sampling``: ``true`` draws a sampled request's (temperature > 0) draft children
+  without replacement from the draft's distribution at the request's temperature (Gumbel
+  top-k) and verifies them against those distributions (``tree_walk`` mode
+  ``draft_probs``, SpecInfer's residual rule), as the local engine's
+  ``Engine(draft_sampling=True)``. Static trees (``chain``/``paths``/``medusa``) with
+  ``draft_model`` or ``eagle`` only. Greedy requests keep the top-ranked children.
 
 Every mistake is a ``ValueError`` naming the field, raised when vLLM builds its config
 (in the process that calls ``LLM(...)`` or starts the server), before any model loads.
@@ -44,6 +50,7 @@ class TreeConfig:
     kernel_backend: str = "auto"
     debug_disable: str | None = None
     record_trees: int = 0
+    draft_sampling: bool = False
 
     @property
     def uses_draft_model(self) -> bool:
@@ -164,7 +171,19 @@ def parse(
         raise ValueError(
             f"additional_config['treespec']['record_trees'] = {record!r}; expected an int >= 0"
         )
-    return TreeConfig(spec, policy, method, budget, backend, debug, record)
+    sampling = section.get("draft_sampling", False)
+    if not isinstance(sampling, bool):
+        raise ValueError(
+            f"additional_config['treespec']['draft_sampling'] = {sampling!r}; expected true "
+            "or false"
+        )
+    if sampling and (method not in MODEL_METHODS or not isinstance(policy, StaticPolicy)):
+        raise ValueError(
+            f"additional_config['treespec']['draft_sampling'] needs a static tree "
+            f"(chain/paths/medusa) with method draft_model or eagle, not {spec!r} with "
+            f"{method!r}: pruning a sampled dynamic tree would bias the output"
+        )
+    return TreeConfig(spec, policy, method, budget, backend, debug, record, sampling)
 
 
 def _device(device: str):

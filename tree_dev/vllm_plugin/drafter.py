@@ -47,6 +47,9 @@ class Draftee:
         feats: EAGLE only: ``[len(seq) - start, H]`` target features of the elements from
             ``start`` on (element ``k`` pairs ``seq[k]`` with feature row ``k - start``).
         start: first element the draft has not consumed.
+        temperature: draw the children from the draft's distribution at this temperature
+            (sampled drafts, static trees); None takes the top-ranked children.
+        generator: the request's CPU generator for that draw (None: torch's global one).
     """
 
     row: int
@@ -54,6 +57,8 @@ class Draftee:
     seq: list[int]
     start: int
     feats: torch.Tensor | None = None
+    temperature: float | None = None
+    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -164,10 +169,21 @@ class ModelDrafter:
         return torch.log_softmax(model.compute_logits(h).float(), dim=-1), h
 
     # ----------------------------------------------------------------- propose
-    def propose(self, todo: list[Draftee]) -> list[tuple[TokenTree, list[int]]]:
-        """Each request's tree, grown below the last element of its sequence."""
+    def propose(
+        self, todo: list[Draftee]
+    ) -> list[tuple[TokenTree, list[int], torch.Tensor | None]]:
+        """Each request's tree, grown below the last element of its sequence: the tree,
+        its tokens (root first) and, for sampled drafts, the draft distributions
+        ``[N, V]`` fp32 the children were drawn from (None otherwise)."""
         policy = self.tr.cfg.policy
-        growers = [_Grower(d, d.start, TreeExpansion(policy, int(d.seq[-1]))) for d in todo]
+        growers = [
+            _Grower(
+                d,
+                d.start,
+                TreeExpansion(policy, int(d.seq[-1]), d.temperature, d.generator),
+            )
+            for d in todo
+        ]
         self._catch_up(growers)
         for g in growers:
             trunk = g.d.seq[g.prefix :]
@@ -207,11 +223,7 @@ class ModelDrafter:
                     g.cand_fwd[c] = len(g.parents) - 1
                     g.new.append(len(g.parents) - 1)
             active = [g for g in active if g.new]
-        results = []
-        for g in growers:
-            tree, tokens, _ = g.expansion.result()
-            results.append((tree, tokens))
-        return results
+        return [g.expansion.result() for g in growers]
 
     @staticmethod
     def _feats(d: Draftee, lo: int, hi: int) -> torch.Tensor:

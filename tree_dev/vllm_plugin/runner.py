@@ -43,6 +43,7 @@ class Proposal:
 
     tree: TokenTree
     tokens: list[int]
+    draft_probs: torch.Tensor | None = None  # [N, V] fp32: sampled drafts only
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Stats:
     depth_tried: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
     fallback_requests: int = 0
+    walks: dict[str, int] = field(default_factory=dict)  # tree walks per mode
     seconds: dict[str, float] = field(
         default_factory=lambda: {"walk": 0.0, "compact": 0.0, "propose": 0.0}
     )
@@ -79,6 +81,7 @@ class Stats:
             "depth_tried": list(self.depth_tried),
             "depth_accepted": list(self.depth_accepted),
             "fallback_requests": self.fallback_requests,
+            "walks": dict(self.walks),
             "seconds": {**self.seconds, "tree_attention": attention.ACTIVE.seconds},
         }
 
@@ -92,6 +95,7 @@ class _Verify:
     prefix_lens: list[int]
     trees: list[TokenTree]
     tokens: list[list[int]]
+    draft_probs: list[torch.Tensor | None]
 
 
 def tree_eligible(sp) -> bool:
@@ -190,7 +194,7 @@ class TreeRunner:
         )
         if not specs:
             return
-        idx, rids, prefix, trees, toks = [], [], [], [], []
+        idx, rids, prefix, trees, toks, qs = [], [], [], [], [], []
         qsl = r.query_start_loc.np
         for rid, drafts in specs.items():
             if not drafts:
@@ -216,6 +220,7 @@ class TreeRunner:
             prefix.append(int(batch.num_computed_tokens_cpu[i]))
             trees.append(tree)
             toks.append(prop.tokens[: n + 1])
+            qs.append(None if prop.draft_probs is None else prop.draft_probs[: n + 1])
         if not idx:
             return
         starts = [int(qsl[i]) for i in idx]
@@ -228,7 +233,7 @@ class TreeRunner:
                 torch.tensor([t.num_nodes for t in trees])
             )
             r.positions[rows] = (plen + depth).to(r.positions.dtype)
-        self.verify = _Verify(idx, rids, prefix, trees, toks)
+        self.verify = _Verify(idx, rids, prefix, trees, toks, qs)
         r.treespec_tree_batch = {
             "req_ids": list(rids),
             "parents": [t.parents.tolist() for t in trees],
@@ -278,8 +283,8 @@ class TreeRunner:
         starts = np.concatenate([[0], np.cumsum(n_sampled)[:-1]])
         out = sampler_output.sampled_token_ids
         moves = []  # (batch row, prefix, accepted nodes)
-        for mode in ("greedy", "target_only"):
-            sel = [j for j, i in enumerate(v.req_index) if self._mode(sm, i) == mode]
+        for mode in ("greedy", "target_only", "draft_probs"):
+            sel = [j for j in range(len(v.req_index)) if self._mode(sm, v, j) == mode]
             if not sel:
                 continue
             trees = [v.trees[j] for j in sel]
@@ -289,7 +294,7 @@ class TreeRunner:
             lg = logits[rows].float()
             tokens = torch.tensor([t for j in sel for t in v.tokens[j]], dtype=torch.int64)
             kw = {}
-            if mode == "target_only":
+            if mode != "greedy":
                 kw = dict(
                     uniforms=torch.cat(
                         [
@@ -304,6 +309,14 @@ class TreeRunner:
                         else 1.0
                     ),
                 )
+            if mode == "draft_probs":
+                kw["draft_probs"] = torch.cat([v.draft_probs[j] for j in sel])
+                if kw["draft_probs"].shape[1] != lg.shape[1]:
+                    raise RuntimeError(
+                        f"treespec: the draft's vocabulary ({kw['draft_probs'].shape[1]}) "
+                        f"is not the target's ({lg.shape[1]}); draft_sampling needs one"
+                    )
+            self.stats.walks[mode] = self.stats.walks.get(mode, 0) + len(sel)
             res = kernels.tree_walk(
                 lg, tokens, tb, mode, backend=self.cfg.kernel_backend, check_inputs=False, **kw
             )
@@ -324,10 +337,14 @@ class TreeRunner:
         self.stats.seconds["compact"] += time.perf_counter() - t1
 
     @staticmethod
-    def _mode(sm, i: int) -> str:
+    def _mode(sm, v: _Verify, j: int) -> str:
+        """The walk of tree ``j``: greedy, or lossless sampling of top-ranked drafts
+        (``target_only``) or of sampled drafts (``draft_probs``)."""
         if sm.all_greedy or sm.temperature is None:
             return "greedy"
-        return "greedy" if float(sm.temperature[i]) < 1e-5 else "target_only"
+        if float(sm.temperature[v.req_index[j]]) < _GREEDY_TEMPERATURE:
+            return "greedy"
+        return "target_only" if v.draft_probs[j] is None else "draft_probs"
 
     def _compact(self, moves: list[tuple[int, int, list[int]]]) -> None:
         """Accepted nodes ``P + node_j`` -> slots ``P + j`` in every target layer."""
@@ -394,11 +411,18 @@ class TreeRunner:
                 tree, tokens = ngram_trie(context, self.cfg.policy)
                 self._store(rid, tree, tokens, out, i)
             return out
+        sampled = self.cfg.draft_sampling
         from tree_dev.vllm_plugin.drafter import Draftee
 
         draftees = []
         for i, rid, n_tokens in todo:
             tokens = batch.token_ids_cpu[i, :n_tokens].tolist()
+            temp, gen = None, None
+            if sampled:
+                state = r.requests[rid]
+                t = float(state.sampling_params.temperature)
+                if t >= _GREEDY_TEMPERATURE:
+                    temp, gen = t, state.generator
             if self.cfg.method == "eagle":
                 # element k pairs token k + 1 with the target's feature at k
                 seq, start = tokens[1:], self.draft_len.get(rid, 0)
@@ -407,15 +431,15 @@ class TreeRunner:
                     self.feats.pop(rid, None)
                     self.draft_len.pop(rid, None)
                     continue  # no feature history for this request's catch-up
-                draftees.append(Draftee(i, rid, seq, start, feats[start - first :]))
+                draftees.append(Draftee(i, rid, seq, start, feats[start - first :], temp, gen))
             else:
                 start = min(self.draft_len.get(rid, 0), n_tokens - 1)
-                draftees.append(Draftee(i, rid, tokens, start))
-        for d, (tree, tokens) in zip(draftees, self.drafter.propose(draftees)):
+                draftees.append(Draftee(i, rid, tokens, start, None, temp, gen))
+        for d, (tree, tokens, q) in zip(draftees, self.drafter.propose(draftees)):
             self.draft_len[d.rid] = len(d.seq)  # the trunk and root are in the draft cache
             if self.cfg.method == "eagle":
                 self.feats.pop(d.rid, None)  # consumed up to the root
-            self._store(d.rid, tree, tokens, out, d.row)
+            self._store(d.rid, tree, tokens, out, d.row, q)
         return out
 
     def _keep_features(self, hidden_states: torch.Tensor) -> None:
@@ -443,7 +467,15 @@ class TreeRunner:
                 self.feats[rid] = (pos, h)
                 self.draft_len[rid] = pos  # history lost: draft KV from here on
 
-    def _store(self, rid: str, tree: TokenTree, tokens: list[int], out, i: int) -> None:
+    def _store(
+        self,
+        rid: str,
+        tree: TokenTree,
+        tokens: list[int],
+        out,
+        i: int,
+        draft_probs: torch.Tensor | None = None,
+    ) -> None:
         if tree.num_nodes <= 1:
             return
         if len(self.recorded) < self.cfg.record_trees:
@@ -457,8 +489,11 @@ class TreeRunner:
                     "tokens": list(tokens),
                 }
             )
-        self.proposals[rid] = Proposal(tree, list(tokens))
+        self.proposals[rid] = Proposal(tree, list(tokens), draft_probs)
         out[i] = list(tokens[1:])
+
+
+_GREEDY_TEMPERATURE = 1e-5  # vLLM's sampler treats lower temperatures as greedy
 
 
 def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
