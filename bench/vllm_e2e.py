@@ -6,7 +6,9 @@ at batch 1 and at 4 concurrent requests, greedy and temperature 0.8:
 - vLLM plain decoding, vLLM ``ngram`` (chain), vLLM ``draft_model`` chain with the
   committed draft LM, vLLM ``eagle`` chain with the exported EAGLE head;
 - the project's trees through the plugin: draft-LM top-K trees, EAGLE top-K trees and the
-  n-gram trie, at a few budgets.
+  n-gram trie, at a few budgets; and static chains with sampled drafts (``draft_sampling``:
+  at temperature > 0 the children are drawn from the draft and verified by the residual
+  rule; at temperature 0 they are the top-ranked ones).
 
 Reported per configuration and scenario: output tokens/s, tau (tokens per target forward,
 from vLLM's spec-decode counters), acceptance per depth, and the ratio to vLLM plain of the
@@ -14,7 +16,7 @@ same scenario. Every engine decodes the same prompts with the same parameters; e
 one after another in this process (an engine owns the machine while it runs).
 
     python -m bench.vllm_e2e            # full grid (about 15 minutes here)
-    python -m bench.vllm_e2e --quick    # budget-8 trees only, fewer prompts
+    python -m bench.vllm_e2e --quick    # budget-8 trees and the sampled chain:4s, fewer prompts
 
 vLLM's chains run at every tree budget (k = 4 and 8), so each tree is also compared with
 vLLM's chain of the same draft and node budget (``tree_vs_same_budget_chain``).
@@ -52,28 +54,32 @@ def configs(quick: bool, eagle_dir: str) -> list[dict]:
             name = f"vllm {method} chain k={k}" if method != "ngram" else f"vllm ngram k={k}"
             spec = {"method": method, "num_speculative_tokens": k, **extra}
             out.append({"name": name, "spec": spec, "tree": None, "method": method, "budget": k})
-    trees = [
-        ("draft_model", draft, "topk:k=2,depth=3,budget=4"),
-        ("draft_model", draft, "topk:k=2,depth=4,budget=8"),
-        ("eagle", eagle_dir, "topk:k=2,depth=3,budget=4"),
-        ("eagle", eagle_dir, "topk:k=2,depth=4,budget=8"),
-        ("eagle", eagle_dir, "topk:k=2,depth=8,budget=16"),
-        ("ngram", None, "ngram:budget=8"),
-        ("ngram", None, "ngram:budget=16"),
+    trees = [  # (method, draft, tree spec, sampled drafts)
+        ("draft_model", draft, "topk:k=2,depth=3,budget=4", False),
+        ("draft_model", draft, "topk:k=2,depth=4,budget=8", False),
+        ("eagle", eagle_dir, "topk:k=2,depth=3,budget=4", False),
+        ("eagle", eagle_dir, "topk:k=2,depth=4,budget=8", False),
+        ("eagle", eagle_dir, "topk:k=2,depth=8,budget=16", False),
+        ("ngram", None, "ngram:budget=8", False),
+        ("ngram", None, "ngram:budget=16", False),
+        ("draft_model", draft, "chain:4", True),
+        ("eagle", eagle_dir, "chain:4", True),
+        ("eagle", eagle_dir, "chain:8", True),
     ]
     if quick:
-        trees = [trees[1], trees[3], trees[5]]
+        trees = [trees[i] for i in (1, 3, 5, 7, 8)]
     from tree_dev.spec import parse_tree_spec
 
-    for method, model, tree in trees:
+    for method, model, tree, sampled in trees:
         spec = {"method": method, "num_speculative_tokens": parse_tree_spec(tree).draft_budget}
         if model is not None:
             spec["model"] = model
         out.append(
             {
-                "name": f"tree {method} {tree}",
+                "name": f"tree {method} {tree}" + (" sampled drafts" if sampled else ""),
                 "spec": spec,
                 "tree": tree,
+                "draft_sampling": sampled,
                 "method": method,
                 "budget": spec["num_speculative_tokens"],
             }
@@ -97,7 +103,10 @@ def run_engine(cfg: dict, prompts: list[list[int]], max_tokens: int) -> dict:
     if cfg["spec"] is not None:
         kw["speculative_config"] = dict(cfg["spec"])
     if cfg["tree"] is not None:
-        kw["additional_config"] = {"treespec": {"tree": cfg["tree"]}}
+        section = {"tree": cfg["tree"]}
+        if cfg.get("draft_sampling"):
+            section["draft_sampling"] = True
+        kw["additional_config"] = {"treespec": section}
     t0 = time.perf_counter()
     llm = LLM(
         model=str(CK / "target"),
@@ -116,6 +125,7 @@ def run_engine(cfg: dict, prompts: list[list[int]], max_tokens: int) -> dict:
         "method": cfg["method"],
         "budget": cfg["budget"],
         "tree": cfg["tree"],
+        "draft_sampling": bool(cfg.get("draft_sampling")),
         "startup_s": startup,
         "scenarios": {},
     }
@@ -210,7 +220,11 @@ def main() -> None:
     ap.add_argument(
         "--only", default=None, help="comma-separated substrings: run the matching engines only"
     )
-    ap.add_argument("--out", default=str(ROOT / "results" / "vllm_e2e.json"))
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "results" / "vllm_e2e.json"),
+        help="JSON file (a folder gets vllm_e2e.json in it); the plot goes beside it",
+    )
     args = ap.parse_args()
     from tqdm import tqdm
 
@@ -256,6 +270,8 @@ def main() -> None:
                 matched[t["name"]] = {"chain": same[0]["name"], "ratio": ratio}
                 print(f"    {t['name']} vs {same[0]['name']}: {ratio:.2f}x")
     out = Path(args.out)
+    if out.is_dir() or args.out.endswith("/"):  # a folder: the default file name in it
+        out = out / "vllm_e2e.json"
     doc = {
         "prompts": n,
         "prompt_tokens": args.prompt_tokens,
