@@ -879,6 +879,32 @@ def test_vllm_mapping_chain_tree_ngram(tmp_path):
     assert "--speculative-config" not in cmd and cmd[-2:] == ["--seed", "3"]
 
 
+def test_draft_sampling_flag_maps_to_both_engines(tmp_path, capsys):
+    for sub in ("target", "eagle", "draft", "tokenizer"):
+        (tmp_path / sub).mkdir()
+    m = str(tmp_path)
+    c = _vllm("--model", m, "--tree", "chain:3", "--draft-sampling")
+    # a chain with sampled drafts needs the plugin (vLLM's own chains take top-ranked drafts)
+    ac = {"treespec": {"tree": "chain:3", "draft_sampling": True}}
+    assert _arg(config.vllm_argv(c), "--additional-config") == ac
+    assert c.info()["draft_sampling"] is True
+    # vLLM's own words give the same config
+    sc = json.dumps({"method": "eagle", "model": str(tmp_path / "eagle")})
+    c2 = _vllm("--model", m, "--speculative-config", sc, "--additional-config", json.dumps(ac))
+    assert config.vllm_argv(c2) == config.vllm_argv(c)
+    assert _cfg("--model", m, "--tree", "chain:3", "--draft-sampling").draft_sampling
+    assert not _cfg("--model", m, "--tree", "chain:3").draft_sampling
+    for argv, word in (
+        (["--tree", "topk:k=2,depth=3,budget=6"], "static tree"),
+        (["--tree", "ngram:budget=4"], "static tree"),
+    ):
+        err = _fails(capsys, "--engine", "local", "--model", m, *argv, "--draft-sampling")
+        assert "--draft-sampling" in err and word in err, err
+    bad = '{"treespec": {"tree": "chain:2", "draft_sampling": "yes"}}'
+    err = _fails(capsys, "--engine", "local", "--additional-config", bad)
+    assert "draft_sampling" in err
+
+
 def test_vllm_defaults_serve_the_committed_set():
     c = _vllm()
     assert c.model == config.DEFAULT_MODEL_SET / "target" and c.max_model_len == 512

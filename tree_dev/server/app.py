@@ -482,5 +482,6 @@ def load_engine(cfg: ServeConfig):
         max_model_len=cfg.max_model_len,
         kernel_backend=cfg.kernel_backend,
         eos_token_id=tokenizer.eos_token_id if target.config.eos_token_id is None else None,
+        draft_sampling=cfg.draft_sampling,
     )
     return engine, tokenizer

@@ -89,6 +89,7 @@ class ServeConfig:
     gates_report: Path = GATES_REPORTS["local"]
     log_level: str = "info"
     enforce_eager: bool = False
+    draft_sampling: bool = False
     tensor_parallel_size: int = 1
     speculative_extra: dict[str, Any] = field(default_factory=dict)
     additional_extra: dict[str, Any] = field(default_factory=dict)
@@ -105,6 +106,7 @@ class ServeConfig:
             "model": str(self.model),
             "max_model_len": self.max_model_len,
             "kernel_backend": self.kernel_backend,
+            "draft_sampling": self.draft_sampling,
         }
 
 
@@ -163,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--additional-config",
         help='vLLM\'s JSON; {"treespec": {"tree": SPEC}} sets the tree (the plugin\'s key)',
+    )
+    t.add_argument(
+        "--draft-sampling",
+        action="store_true",
+        help="sampled requests: draw a static tree's children from the draft (Gumbel top-k) "
+        "and verify them with the residual rule (both engines; the plugin's "
+        '"draft_sampling" key)',
     )
     t.add_argument("--speculative-algorithm", help="SGLang: EAGLE, EAGLE3, STANDALONE or NGRAM")
     t.add_argument("--speculative-draft-model-path", type=Path, help="SGLang: the draft")
@@ -322,19 +331,23 @@ def _json_flag(flag: str, raw: str) -> dict[str, Any]:
     return value
 
 
-def _additional_config(raw: str) -> tuple[str | None, dict[str, Any]]:
-    """vLLM ``--additional-config`` -> (tree spec of its ``treespec`` key or None, the rest)."""
+def _additional_config(raw: str) -> tuple[str | None, bool, dict[str, Any]]:
+    """vLLM ``--additional-config`` -> (tree spec of its ``treespec`` key or None, its
+    ``draft_sampling``, the rest)."""
     flag = "--additional-config"
     ac = _json_flag(flag, raw)
     ts = ac.pop("treespec", None)
     if ts is None:
-        return None, ac
+        return None, False, ac
     if not isinstance(ts, dict) or not isinstance(ts.get("tree"), str):
         raise _FlagError(f'argument {flag}: "treespec" must be an object with a "tree" string')
-    unknown = sorted(set(ts) - {"tree"})
+    unknown = sorted(set(ts) - {"tree", "draft_sampling"})
     if unknown:
         raise _FlagError(f'argument {flag}: unknown key(s) {unknown} in "treespec"')
-    return ts["tree"], ac
+    sampling = ts.get("draft_sampling", False)
+    if not isinstance(sampling, bool):
+        raise _FlagError(f'argument {flag}: "treespec" "draft_sampling" must be true or false')
+    return ts["tree"], sampling, ac
 
 
 def _vllm_speculative_config(
@@ -494,8 +507,10 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         if a.eagle_head is not None:
             drafters["--eagle-head"] = ("eagle", a.eagle_head)
         plugin_tree = None
+        draft_sampling = a.draft_sampling
         if a.additional_config is not None:
-            plugin_tree, add_extra = _additional_config(a.additional_config)
+            plugin_tree, sampling, add_extra = _additional_config(a.additional_config)
+            draft_sampling = draft_sampling or sampling
             if plugin_tree is not None:
                 trees["--additional-config"] = plugin_tree
         if a.speculative_config is not None:
@@ -597,7 +612,18 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
             f"argument {drafter_flag}: the local engine drafts n-grams as a trie: give "
             f"--tree ngram:budget=N (not {tree!r})"
         )
-    if engine == "vllm" and tree != "none" and not _is_chain(tree):
+    if draft_sampling:
+        from tree_dev.spec import StaticPolicy
+
+        if not isinstance(parse_tree_spec(tree), StaticPolicy) or drafter is None:
+            parser.error(
+                f"argument --draft-sampling: needs a static tree (chain/paths/medusa) with a "
+                f"draft model or EAGLE head, not {tree!r}: pruning a sampled dynamic tree "
+                "would bias the output"
+            )
+        if drafter[0] == "ngram":
+            parser.error("argument --draft-sampling: an n-gram draft has no distribution")
+    if engine == "vllm" and tree != "none" and (not _is_chain(tree) or draft_sampling):
         if not vllm_plugin_available():
             parser.error(
                 f"argument {source}: tree {tree!r} needs the project's vLLM tree plugin "
@@ -645,6 +671,7 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         gates_report=a.gates_report or GATES_REPORTS[engine],
         log_level=a.log_level,
         enforce_eager=a.enforce_eager,
+        draft_sampling=draft_sampling,
         tensor_parallel_size=a.tensor_parallel_size,
         speculative_extra=spec_extra,
         additional_extra=add_extra,
@@ -683,10 +710,13 @@ def vllm_speculative_config(cfg: ServeConfig) -> dict[str, Any] | None:
 
 
 def vllm_additional_config(cfg: ServeConfig) -> dict[str, Any] | None:
-    """vLLM's ``additional_config``: the plugin's ``treespec`` key for a tree (not a chain)."""
+    """vLLM's ``additional_config``: the plugin's ``treespec`` key for a tree (not a chain
+    of top-ranked drafts, which vLLM's own proposers run)."""
     ac = dict(cfg.additional_extra)
-    if cfg.tree != "none" and not _is_chain(cfg.tree):
+    if cfg.tree != "none" and (not _is_chain(cfg.tree) or cfg.draft_sampling):
         ac["treespec"] = {"tree": cfg.tree}
+        if cfg.draft_sampling:
+            ac["treespec"]["draft_sampling"] = True
     return ac or None
 
 
