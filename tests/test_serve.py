@@ -991,3 +991,16 @@ def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
         "topk:k=2,depth=4,budget=8",
     )
     assert c.tree_source == f"best measured in {p}"
+
+
+def test_serve_load_ratios_are_paired_per_round():
+    """The load benchmark's ratio is the median of same-round ratios, not a ratio of
+    medians: a server that is always 2x the base in its round reads 2.0 however the
+    machine's load drifts between rounds."""
+    from bench.serve_load import _median_round, _paired_ratios
+
+    base = {"output_throughput_rounds": {"1": [100.0, 50.0, 200.0], "4": [10.0]}}
+    run = {"output_throughput_rounds": {"1": [200.0, 100.0, 400.0], "4": [0.0]}}
+    assert _paired_ratios(run, base) == {"1": 2.0}  # a failed round (0 tok/s) is no ratio
+    rounds = [{"output_throughput": x, "id": i} for i, x in enumerate([5.0, 9.0, 7.0])]
+    assert _median_round(rounds)["id"] == 2
