@@ -39,7 +39,6 @@ def test_valid_configs_parse():
         ({"tree": "chain:4"}, spec("medusa", 4), "method 'medusa'"),
         ({"tree": "ngram:budget=4"}, spec("draft_model", 4), "method 'draft_model'"),
         ({"tree": "chain:4"}, spec("ngram", 4), "method 'ngram'"),
-        ({"tree": "topk:k=4,depth=4,budget=8"}, spec(), "forwards 12 draft nodes"),
         ({"tree": "chain:4", "kernel_backend": "cuda"}, spec(n=4), "kernel_backend"),
         ({"tree": "chain:4", "debug_disable": "walk"}, spec(n=4), "debug_disable"),
         ({"tree": "none"}, spec(n=4), "'none'"),
@@ -70,6 +69,35 @@ def test_section_lookup():
     assert config.tree_section({"treespec": {"tree": "chain:2"}}) == {"tree": "chain:2"}
     with pytest.raises(ValueError, match="must be a dict"):
         config.tree_section({"treespec": "chain:2"})
+
+
+def test_lookahead_covers_every_forwarded_draft_node():
+    """vLLM reserves ``num_speculative_tokens`` KV slots past the scheduled tokens; the
+    plugin raises that to the tree's forwarded nodes + 1 (a chain needs vLLM's own K)."""
+    deep = {"tree": "topk:k=4,depth=5,budget=8"}  # SGLang-like: forwards 16 nodes
+    assert config.parse(deep, spec()).num_draft_tokens == 8
+    assert config.lookahead_slots(deep, spec()) == 17
+    assert config.lookahead_slots({"tree": "chain:5"}, spec(n=5)) == 5
+    assert config.lookahead_slots({"tree": "ngram:budget=8"}, spec("ngram")) == 0
+    assert config.lookahead_slots({"tree": "bogus"}, spec()) == 0  # parse names the error
+
+
+def test_vllm_config_reserves_the_trees_lookahead():
+    """The patched ``VllmConfig.num_lookahead_tokens`` (what vLLM's scheduler reserves)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+    from vllm_engines import DRAFT, TARGET
+
+    load_general_plugins()
+
+    def lookahead(**kw) -> int:
+        sc = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 8}
+        args = EngineArgs(model=TARGET, max_model_len=512, speculative_config=sc, **kw)
+        return args.create_engine_config().num_lookahead_tokens
+
+    assert lookahead() == 8  # without the key: vLLM's own
+    deep = {"treespec": {"tree": "topk:k=4,depth=5,budget=8"}}
+    assert lookahead(additional_config=deep) == 17
 
 
 def test_draft_slots():

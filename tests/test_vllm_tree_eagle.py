@@ -1,4 +1,9 @@
-"""EAGLE top-K trees inside vLLM: the exported head as vLLM's ``eagle`` proposer."""
+"""EAGLE top-K trees inside vLLM: the exported head as vLLM's ``eagle`` proposer.
+
+The tree is SGLang-shaped (top-4 per level, depth 5, 8 draft nodes): it forwards 16 draft
+nodes, twice ``num_speculative_tokens``, so vLLM's scheduler must reserve the plugin's
+larger lookahead (``config.lookahead_slots``) for the drafter's KV.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from vllm_engines import (  # noqa: E402
     tree_stats,
 )
 
+TREE = "topk:k=4,depth=5,budget=8"
+
 
 @pytest.fixture(scope="module")
 def llm():
@@ -27,7 +34,7 @@ def llm():
             "model": str(export_eagle_for_vllm()),
             "num_speculative_tokens": 8,
         },
-        additional_config={"treespec": {"tree": "topk:k=2,depth=4,budget=8"}},
+        additional_config={"treespec": {"tree": TREE}},
     )
     yield engine
     shutdown(engine)
@@ -50,3 +57,4 @@ def test_eagle_drafts_are_accepted(llm):
     stats = tree_stats(llm)
     assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 2.0
     assert stats["acceptance_per_depth"][0] > 0.5
+    assert len(stats["acceptance_per_depth"]) == 5  # trees of depth 5 were verified

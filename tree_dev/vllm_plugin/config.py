@@ -74,6 +74,25 @@ def draft_slots(policy: Policy) -> int:
     return 0
 
 
+def lookahead_slots(section: dict, speculative_config: Any) -> int:
+    """KV slots vLLM must reserve past a request's scheduled tokens for this tree.
+
+    After a step that accepted ``a`` of its ``n`` scheduled drafts, the new root sits at
+    ``C + a + 1`` (``C``: the step's first position) and the drafter writes forwarded node
+    ``j`` at ``root + j``, up to ``root + draft_slots``; vLLM reserved up to ``C + n +
+    lookahead``. With ``a = n`` (a chain, or a tree the scheduler cut to a chain, all
+    accepted) that needs ``draft_slots + 1``: for ``chain:K`` exactly vLLM's own ``K``.
+    0 for the n-gram trie (nothing is forwarded). A malformed section gives 0 here; the
+    config check names its error.
+    """
+    if getattr(speculative_config, "method", None) not in MODEL_METHODS:
+        return 0
+    try:
+        return draft_slots(parse_tree_spec(section.get("tree"))) + 1
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
 def is_ngram(policy: Policy) -> bool:
     return type(policy).__name__ == "NgramPolicy"
 
@@ -130,13 +149,6 @@ def parse(
         raise ValueError(
             f"speculative_config num_speculative_tokens = {n} but the tree {spec!r} has "
             f"{budget} draft nodes: they must be equal"
-        )
-    slots = draft_slots(policy)
-    if method in MODEL_METHODS and slots > budget:
-        raise ValueError(
-            f"additional_config['treespec']['tree'] = {spec!r} forwards {slots} draft nodes "
-            f"(k * (depth - 1)), more than its budget {budget}: vLLM reserves only "
-            "num_speculative_tokens draft KV slots; lower k or depth, or raise budget"
         )
     backend = section.get("kernel_backend", "auto")
     if backend not in KERNEL_BACKENDS:

@@ -13,8 +13,8 @@ pair ``k`` at position ``k``). Its last element is the *root* (the last sampled 
   the first level.
 - **levels**: each level is one packed draft forward over that level's new nodes of every
   request, with tree attention over the prefix and the node's ancestors; forwarded node
-  ``j`` sits at slot ``root + j`` (vLLM reserves ``num_speculative_tokens`` draft slots per
-  request, which bounds the nodes a tree may forward; ``config`` checks it). An EAGLE
+  ``j`` sits at slot ``root + j`` (the plugin raises the KV slots vLLM reserves past each
+  request's scheduled tokens to cover them: ``config.lookahead_slots``). An EAGLE
   node's feature is its parent's draft output. The next nodes come from
   ``tree_dev.proposer.TreeExpansion``, the expansion the local engine runs, so both engines
   grow the same tree from the same draft scores.
@@ -125,6 +125,12 @@ class ModelDrafter:
         for b, (row, p, tree, nodes) in enumerate(zip(rows, prefixes, trees, new_nodes)):
             nt = torch.tensor(nodes, dtype=torch.int64)
             linear = p + nt
+            if (p + nodes[-1]) // bs >= int(bt.num_blocks_per_row[row]):
+                raise RuntimeError(
+                    f"treespec: draft node {nodes[-1]} of batch row {row} would be written at "
+                    f"position {p + nodes[-1]}, past the {bt.num_blocks_per_row[row]} KV "
+                    f"blocks vLLM allocated for the request (block size {bs})"
+                )
             pos.append(p + tree.depth[nt])
             blocks = table[row].to(torch.int64)[linear // bs]
             slots.append(blocks * bs + linear % bs)

@@ -8,6 +8,10 @@ Wrapped (all in the worker process, except the config check):
 
 - ``VllmConfig.__post_init__``: validates the tree configuration where ``LLM(...)`` or the
   API server builds its config, so a bad spec is a start-up ``ValueError``.
+- ``VllmConfig.num_lookahead_tokens`` (a property; read by the scheduler, in the engine
+  process, and by the worker's warm-up): the KV slots reserved past a request's scheduled
+  tokens cover every draft node a tree forwards (``config.lookahead_slots``), not only
+  ``num_speculative_tokens``: a top-K tree forwards ``k * (depth - 1)`` nodes.
 - ``GPUModelRunner.__init__`` (the CPU runner subclasses it): creates the ``TreeRunner``
   state and registers the tree attention backend override before the model loads.
 - ``load_model``: records which attention layers belong to the target and the draft.
@@ -45,6 +49,7 @@ def install() -> None:
     from vllm.config import VllmConfig
 
     _wrap(VllmConfig, "__post_init__", _config_post_init)
+    _wrap_lookahead(VllmConfig)
     _add_worker_methods()
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -90,6 +95,25 @@ def _config_post_init(orig):
             )
 
     return __post_init__
+
+
+def _wrap_lookahead(cls: type) -> None:
+    orig = cls.__dict__.get("num_lookahead_tokens")
+    if not isinstance(orig, property) or getattr(orig.fget, "_treespec_wrapped", False):
+        return
+
+    def num_lookahead_tokens(self) -> int:
+        n = orig.fget(self)
+        from tree_dev.vllm_plugin import config
+
+        section = config.tree_section(getattr(self, "additional_config", None))
+        if section is None or self.speculative_config is None:
+            return n
+        return max(n, config.lookahead_slots(section, self.speculative_config))
+
+    functools.update_wrapper(num_lookahead_tokens, orig.fget)
+    num_lookahead_tokens._treespec_wrapped = True
+    cls.num_lookahead_tokens = property(num_lookahead_tokens, doc=orig.__doc__)
 
 
 def _runner_init(orig):

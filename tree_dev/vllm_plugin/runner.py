@@ -34,7 +34,7 @@ import kernels
 from tree_dev.proposer import tree_of
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin import attention
-from tree_dev.vllm_plugin.config import TreeConfig, is_ngram
+from tree_dev.vllm_plugin.config import TreeConfig, draft_slots, is_ngram
 
 
 @dataclass
@@ -384,6 +384,7 @@ class TreeRunner:
         r = self.runner
         batch = r.input_batch
         budget = self.cfg.num_draft_tokens
+        slots = draft_slots(self.cfg.policy)
         want = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         if self.cfg.method == "eagle" and hidden_states is not None:
             self._keep_features(hidden_states)
@@ -398,7 +399,7 @@ class TreeRunner:
                 self.stats.fallback_requests += 1
                 continue
             n_tokens = int(batch.num_tokens_no_spec[i])
-            if n_tokens + 2 * budget + 1 > r.max_model_len:
+            if n_tokens + budget + max(budget, slots) + 1 > r.max_model_len:
                 continue  # too close to the end for a full tree and its draft slots
             todo.append((i, rid, n_tokens))
         if not todo or want == 0:
