@@ -284,6 +284,12 @@ def draft_level_ms(models, backend: str, prefix: int = 96, reps: int = 100) -> d
     return out
 
 
+def _drafter(row: dict) -> str | None:
+    """A row's drafter for the plot: ``"eagle"``, ``"draft"``, or None (draft-free rows
+    say ``"none"``: the n-gram trie)."""
+    return None if row["drafter"] in (None, "none") else row["drafter"]
+
+
 def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> None:
     import matplotlib
 
@@ -295,7 +301,7 @@ def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> No
     greedy = [r for r in rows if r["temperature"] == 0]
     for family, marker in zip(FAMILIES, "os^vDx*"):
         for drafter, style in (("eagle", "-"), ("draft", "--"), (None, ":")):
-            sel = [r for r in greedy if r.get("family") == family and r["drafter"] == drafter]
+            sel = [r for r in greedy if r.get("family") == family and _drafter(r) == drafter]
             if sel:
                 axes[0].plot(
                     [r["budget"] for r in sel],
@@ -313,7 +319,7 @@ def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> No
                     for r in rows
                     if r["temperature"] == temp
                     and r.get("family") == family
-                    and r["drafter"] == drafter
+                    and _drafter(r) == drafter
                 ]
                 if sel:
                     ax.plot(
