@@ -909,8 +909,8 @@ def test_vllm_defaults_serve_the_committed_set():
     c = _vllm()
     assert c.model == config.DEFAULT_MODEL_SET / "target" and c.max_model_len == 512
     assert c.served_model_name == "stdlib-v1" and c.engine == "vllm"
-    kind, tree, _ = config.read_best_vllm_policy()
-    assert (c.drafter, c.tree) == (kind, tree)
+    kind, tree, _, sampled = config.read_best_vllm_policy()
+    assert (c.drafter, c.tree, c.draft_sampling) == (kind, tree, sampled)
 
 
 @pytest.mark.parametrize("engine", ["local", "vllm"])
@@ -991,6 +991,16 @@ def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
         "topk:k=2,depth=4,budget=8",
     )
     assert c.tree_source == f"best measured in {p}"
+    assert not c.draft_sampling
+    # a sampled-draft chain that won: served through the plugin with draft_sampling
+    sampled = summary(1.6, 1.2)
+    sampled["summary"]["batch1 T=0.0"]["best_tree"] = "tree eagle chain:4 sampled drafts"
+    p.write_text(json.dumps(sampled))
+    assert config.read_best_vllm_policy(p) == ("eagle", "chain:4", f"best measured in {p}", True)
+    c = _vllm("--model", str(tmp_path))
+    assert (c.drafter, c.tree, c.draft_sampling) == ("eagle", "chain:4", True)
+    ac = {"treespec": {"tree": "chain:4", "draft_sampling": True}}
+    assert _arg(config.vllm_argv(c), "--additional-config") == ac
 
 
 def test_serve_load_ratios_are_paired_per_round():

@@ -241,11 +241,13 @@ def read_best_drafter(path: Path | None = None) -> str | None:
     return kind if kind in ("eagle", "draft") else None
 
 
-def read_best_vllm_policy(path: Path | None = None) -> tuple[str | None, str, str]:
-    """``(drafter kind or None, tree spec, source)`` of vLLM's best measured policy.
+def read_best_vllm_policy(path: Path | None = None) -> tuple[str | None, str, str, bool]:
+    """``(drafter kind or None, tree spec, source, sampled drafts)`` of vLLM's best
+    measured policy.
 
     From ``results/vllm_e2e.json`` (``python -m bench.vllm_e2e``): its ``best_policy``
-    object (``method``: a vLLM method, ``tree``: a spec) when it has one, else its
+    object (``method``: a vLLM method, ``tree``: a spec, optionally ``draft_sampling``)
+    when it has one, else its
     ``summary`` for greedy batch 1 (``"batch1 T=0.0"``): the faster of the best tree
     and the best vLLM method, by their ratio to vLLM plain. A tree other than a chain
     needs the plugin. Without a usable report: ``VLLM_DEFAULT_POLICY``.
@@ -259,33 +261,39 @@ def read_best_vllm_policy(path: Path | None = None) -> tuple[str | None, str, st
         best = doc.get("best_policy")
         if best is not None:
             method, spec = best["method"], best["tree"]
+            sampled = bool(best.get("draft_sampling", False))
         else:
             s = doc["summary"]["batch1 T=0.0"]
             key = "best_tree" if s["best_tree_ratio"] >= s["best_builtin_ratio"] else "best_builtin"
-            method, spec = _vllm_e2e_name(s[key])
+            method, spec, sampled = _vllm_e2e_name(s[key])
         parse_tree_spec(spec)
         if method is not None and method not in VLLM_METHODS:
             raise ValueError(f"unknown method {method!r}")
         if not _is_chain(spec) and spec != "none" and not vllm_plugin_available():
             raise ValueError(f"tree {spec!r} needs the tree plugin, which is not installed")
-        return (VLLM_METHODS[method] if method else None), spec, f"best measured in {path}"
+        kind_of = VLLM_METHODS[method] if method else None
+        return kind_of, spec, f"best measured in {path}", sampled
     except FileNotFoundError:
-        return kind, tree, f"default (no {path})"
+        return kind, tree, f"default (no {path})", False
     except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as e:
         log.warning("ignoring the best policy of %s (%s); using %s %s", path, e, kind, tree)
-        return kind, tree, f"default ({path} has no usable best policy)"
+        return kind, tree, f"default ({path} has no usable best policy)", False
 
 
-def _vllm_e2e_name(name: str) -> tuple[str | None, str]:
-    """``bench.vllm_e2e``'s configuration names -> ``(vLLM method or None, tree spec)``:
-    ``"tree METHOD SPEC"``, ``"vllm plain"``, ``"vllm METHOD [chain] k=K"``."""
+def _vllm_e2e_name(name: str) -> tuple[str | None, str, bool]:
+    """``bench.vllm_e2e``'s configuration names -> ``(vLLM method or None, tree spec,
+    sampled drafts)``: ``"tree METHOD SPEC [sampled drafts]"``, ``"vllm plain"``,
+    ``"vllm METHOD [chain] k=K"``."""
     words = name.split()
+    sampled = words[-2:] == ["sampled", "drafts"]
+    if sampled:
+        words = words[:-2]
     if words[:1] == ["tree"] and len(words) == 3:
-        return words[1], words[2]
-    if words == ["vllm", "plain"]:
-        return None, "none"
-    if words[:1] == ["vllm"] and words[-1].startswith("k="):
-        return words[1], f"chain:{int(words[-1][2:])}"
+        return words[1], words[2], sampled
+    if words == ["vllm", "plain"] and not sampled:
+        return None, "none", False
+    if words[:1] == ["vllm"] and words[-1].startswith("k=") and not sampled:
+        return words[1], f"chain:{int(words[-1][2:])}", False
     raise ValueError(f"unknown configuration name {name!r}")
 
 
@@ -582,7 +590,8 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         if tokenizer is None:
             tokenizer = model / "tokenizer"
         if engine == "vllm" and tree is None and drafter is None:
-            kind, tree, source = read_best_vllm_policy()
+            kind, tree, source, sampled = read_best_vllm_policy()
+            draft_sampling = draft_sampling or sampled
             if kind is not None:
                 drafter = (kind, None if kind == "ngram" else model / kind)
         if drafter is None and tree != "none":
