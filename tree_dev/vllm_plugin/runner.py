@@ -9,7 +9,8 @@ A step of a request with a tree, in vLLM's order:
 2. ``prepare_verify`` (after vLLM's ``_prepare_inputs``): the request's ``1 + n`` query
    rows are root + nodes; their RoPE positions become ``P + depth`` (slots stay linear,
    ``P + node``), and ``attention.ACTIVE.verify`` tells the attention override which rows
-   are tree rows.
+   are tree rows. A chain's rows are left to vLLM (its positions and causal mask are
+   already the chain's).
 3. ``walk_and_compact`` (after vLLM's sampler): ``kernels.tree_walk`` on the target's
    logits at every node gives the accepted path and the bonus token; the row of vLLM's
    sampler output is replaced by them (``-1`` padded, as vLLM's rejection sampler does).
@@ -223,6 +224,21 @@ class TreeRunner:
             qs.append(None if prop.draft_probs is None else prop.draft_probs[: n + 1])
         if not idx:
             return
+        self.verify = _Verify(idx, rids, prefix, trees, toks, qs)
+        r.treespec_tree_batch = {
+            "req_ids": list(rids),
+            "parents": [t.parents.tolist() for t in trees],
+            "tokens": [list(t) for t in toks],
+            "prefix_lens": list(prefix),
+        }
+        # A chain's rows are what vLLM verifies anyway (positions P + node = P + depth,
+        # the causal mask = its ancestors): vLLM's own kernel is exact for them.
+        branched = [k for k, t in enumerate(trees) if t.max_depth != t.num_nodes - 1]
+        if not branched:
+            return
+        idx = [idx[k] for k in branched]
+        prefix = [prefix[k] for k in branched]
+        trees = [trees[k] for k in branched]
         starts = [int(qsl[i]) for i in idx]
         rows = torch.cat(
             [torch.arange(s, s + t.num_nodes, dtype=torch.int64) for s, t in zip(starts, trees)]
@@ -233,13 +249,6 @@ class TreeRunner:
                 torch.tensor([t.num_nodes for t in trees])
             )
             r.positions[rows] = (plen + depth).to(r.positions.dtype)
-        self.verify = _Verify(idx, rids, prefix, trees, toks, qs)
-        r.treespec_tree_batch = {
-            "req_ids": list(rids),
-            "parents": [t.parents.tolist() for t in trees],
-            "tokens": [list(t) for t in toks],
-            "prefix_lens": list(prefix),
-        }
         if self.cfg.debug_disable == "mask":
             return  # vLLM's causal attention over the tree rows: the planted bug
         batch_trees = attention.tree_batch(tuple(trees))
