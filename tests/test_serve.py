@@ -946,16 +946,18 @@ def test_vllm_flag_errors_name_the_field(capsys, argv, named):
 
 def test_vllm_benchmark_client_completes_without_failures(srv, tokenizer, tmp_path):
     """vLLM's own load client (``vllm bench serve``, random dataset) against the local
-    engine's server at concurrency 4: every request completes with all its tokens."""
+    engine's server at concurrency 4, greedy and sampled: every request completes with all
+    its tokens."""
     import argparse
 
     from bench.serve_load import vllm_bench_serve
 
     tokenizer.save_pretrained(tmp_path)
     a = argparse.Namespace(input_len=16, output_len=8, num_prompts=8, seed=0)
-    r = vllm_bench_serve(srv.base, "tiny", tmp_path, 4, a)
-    assert (r["completed"], r["failed"]) == (8, 0)
-    assert r["total_output_tokens"] == 64 and r["output_throughput"] > 0
+    for temperature in (0.0, 0.8):
+        r = vllm_bench_serve(srv.base, "tiny", tmp_path, 4, a, temperature)
+        assert (r["completed"], r["failed"], r["temperature"]) == (8, 0, temperature)
+        assert r["total_output_tokens"] == 64 and r["output_throughput"] > 0
 
 
 def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
