@@ -963,6 +963,15 @@ def test_vllm_benchmark_client_completes_without_failures(srv, tokenizer, tmp_pa
 def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
     p = tmp_path / "vllm_e2e.json"
     assert config.read_best_vllm_policy(p)[:2] == config.VLLM_DEFAULT_POLICY
+    # a fresh clone (no report): the plugin's n-gram trie, the best measured vLLM policy
+    monkeypatch.setattr(config, "VLLM_E2E_REPORT", p)
+    for sub in ("target", "tokenizer"):
+        (tmp_path / sub).mkdir()
+    c = _vllm("--model", str(tmp_path))
+    assert (c.drafter, c.tree) == ("ngram", "ngram:budget=8")
+    assert _arg(config.vllm_argv(c), "--additional-config") == {
+        "treespec": {"tree": "ngram:budget=8"}
+    }
 
     def summary(tree_ratio: float, builtin_ratio: float) -> dict:
         s = {
@@ -982,10 +991,9 @@ def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
     p.write_text(json.dumps({"best_policy": {"method": "medusa", "tree": "chain:2"}}))
     assert config.read_best_vllm_policy(p)[:2] == config.VLLM_DEFAULT_POLICY
     # serve.py --engine vllm with no policy flags serves it, with the model set's draft
-    for sub in ("target", "eagle", "draft", "tokenizer"):
+    for sub in ("eagle", "draft"):
         (tmp_path / sub).mkdir()
     p.write_text(json.dumps(summary(1.6, 1.2)))
-    monkeypatch.setattr(config, "VLLM_E2E_REPORT", p)
     c = _vllm("--model", str(tmp_path))
     assert (c.drafter, c.drafter_path, c.tree) == (
         "draft",

@@ -37,10 +37,14 @@ ENGINES = ("local", "vllm")
 #: 0.1-0.2), and with top-K tau >= the chain's at the same node budget (the propose
 #: gate).
 DEFAULT_TREE = "topk:k=2,depth=8,budget=8,temp=0.3"
-#: vLLM's policy when ``results/vllm_e2e.json`` has no ``best_policy``: vLLM's own
-#: n-gram chain of 4 (issue 14, committed tiny target, batch 1: ~1070 tok/s against
-#: ~640 for plain vLLM and ~500 for its draft_model chain).
-VLLM_DEFAULT_POLICY = ("ngram", "chain:4")
+#: vLLM's policy when ``results/vllm_e2e.json`` has no usable best policy (a fresh clone:
+#: ``results/`` is not committed): the plugin's n-gram trie, the best measured policy of
+#: the vLLM engine on the committed set (``python -m bench.vllm_e2e --quick``, batch 1
+#: greedy: 1.98x vLLM plain beside it, vLLM's best own method 1.88x; ``python -m
+#: bench.serve_load``: 1.8-2.0x plain ``vllm serve`` at concurrency 1).
+VLLM_DEFAULT_POLICY = ("ngram", "ngram:budget=8")
+#: The tree given a vLLM draft model or EAGLE head without a tree flag: their chain of 4.
+VLLM_DEFAULT_DRAFT_TREE = "chain:4"
 #: vLLM speculative methods -> the drafter kind they use.
 VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle", "draft_model": "draft", "ngram": "ngram"}
 #: drafter kind -> the vLLM method that runs it.
@@ -608,8 +612,7 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         if drafter is None:
             tree, source = "none", "no draft given"
         elif engine == "vllm":
-            k = VLLM_DEFAULT_POLICY[1]
-            tree, source = k, f"default for a vLLM {drafter[0]} draft"
+            tree, source = VLLM_DEFAULT_DRAFT_TREE, f"default for a vLLM {drafter[0]} draft"
         else:
             tree, source = read_best_policy()
     if tree != "none" and drafter is None:
