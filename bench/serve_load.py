@@ -332,6 +332,7 @@ def vllm_bench_serve(
     out["failed"] = int(out["failed"] or 0) + max(0, a.num_prompts - int(out["completed"] or 0))
     out["concurrency"] = concurrency
     out["temperature"] = temperature
+    out["level"] = level_key(concurrency, temperature)
     return out
 
 
@@ -342,7 +343,7 @@ def level_key(concurrency: int, temperature: float) -> str:
 
 # --------------------------------------------------------------------------- report
 def plot(report: dict, path: Path) -> None:
-    """Bars per server at each concurrency: output throughput, TTFT, TPOT (median, p99)."""
+    """Bars per server at each level: output throughput, TTFT, TPOT (median, p99)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,13 +361,13 @@ def plot(report: dict, path: Path) -> None:
     for ax, (key, key99, label) in zip(axes, panels):
         for k, run in enumerate(runs):
             xs = [i + k * width for i in range(len(levels))]
-            by_c = {level_key(lv["concurrency"], lv["temperature"]): lv for lv in run["levels"]}
-            vals = [by_c.get(c, {}).get(key) or 0 for c in levels]
-            label = run["name"].partition("=")[0]
-            label += f" [{run.get('tree')}]" if label == "vllm-tree" else ""
-            bars = ax.bar(xs, vals, width, label=label)
+            by_level = {lv["level"]: lv for lv in run["levels"]}
+            vals = [by_level.get(lv, {}).get(key) or 0 for lv in levels]
+            name = run["name"].partition("=")[0]
+            name += f" [{run.get('tree')}]" if name == "vllm-tree" else ""
+            bars = ax.bar(xs, vals, width, label=name)
             if key99:
-                tops = [by_c.get(c, {}).get(key99) or 0 for c in levels]
+                tops = [by_level.get(lv, {}).get(key99) or 0 for lv in levels]
                 ax.scatter(xs, tops, marker="_", s=200, color=bars.patches[0].get_facecolor())
         ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(levels))])
         ax.set_xticklabels(levels, fontsize=8)
@@ -389,8 +390,7 @@ def print_table(report: dict) -> None:
     )
     for run in report["runs"]:
         for lv in run["levels"]:
-            key = level_key(lv["concurrency"], lv["temperature"])
-            ratio = report["ratio_to_vllm_serve"].get(run["name"], {}).get(key)
+            ratio = report["ratio_to_vllm_serve"].get(run["name"], {}).get(lv["level"])
             print(
                 f"{run['name']:12s} {str(run.get('tree'))[:34]:34s} {lv['concurrency']:2d} "
                 f"{lv['temperature']:4g} "
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> dict:
                     except Exception as e:  # noqa: BLE001
                         _failed(run, e)
                         break
-                    run["rounds"].setdefault(level_key(c, t), []).append(res)
+                    run["rounds"].setdefault(res["level"], []).append(res)
                     bar.update()
     finally:
         for _, srv in live:
