@@ -88,6 +88,12 @@ def configs(quick: bool, eagle_dir: str) -> list[dict]:
                 "budget": spec["num_speculative_tokens"],
             }
         )
+    # the same EAGLE chain with every draft level through tree attention (the plugin's
+    # TREESPEC_DRAFT_ATTENTION=tree): what sending causal levels to vLLM's kernel saves
+    chain = next(c for c in out if c["name"] == "tree eagle chain:4 sampled drafts")
+    out.append(
+        {**chain, "name": f"{chain['name']}, draft tree attention", "draft_attention": "tree"}
+    )
     return out
 
 
@@ -112,15 +118,20 @@ def start_engine(cfg: dict):
             section["draft_sampling"] = True
         kw["additional_config"] = {"treespec": section}
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(CK / "target"),
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=4,
-        disable_log_stats=False,
-        seed=0,
-        **kw,
-    )
+    if cfg.get("draft_attention") == "tree":  # read by the engine's worker at start-up
+        os.environ["TREESPEC_DRAFT_ATTENTION"] = "tree"
+    try:
+        llm = LLM(
+            model=str(CK / "target"),
+            dtype="float32",
+            max_model_len=512,
+            max_num_seqs=4,
+            disable_log_stats=False,
+            seed=0,
+            **kw,
+        )
+    finally:
+        os.environ.pop("TREESPEC_DRAFT_ATTENTION", None)
     startup = time.perf_counter() - t0
     warm = [TokensPrompt(prompt_token_ids=p) for p in held_out(2, 32)]
     llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -166,6 +177,7 @@ def run_engine(
         "budget": cfg["budget"],
         "tree": cfg["tree"],
         "draft_sampling": bool(cfg.get("draft_sampling")),
+        "draft_attention": cfg.get("draft_attention"),  # "tree": the A/B twin, no policy
         "startup_s": startup,
         "scenarios": {},
     }
@@ -296,7 +308,8 @@ def main() -> None:
     finally:
         shutdown_engine(plain)
     summary = {}
-    trees = [r for r in results if r["name"].startswith("tree")]
+    trees = [r for r in results if r["name"].startswith("tree") and not r["draft_attention"]]
+    twins = [r for r in results if r["draft_attention"]]
     builtins = [r for r in results[1:] if not r["name"].startswith("tree")]
     for s in results[0]["scenarios"]:
         if not trees or not builtins:
@@ -324,6 +337,16 @@ def main() -> None:
                 )
                 matched[t["name"]] = {"chain": same[0]["name"], "ratio": ratio}
                 print(f"    {t['name']} vs {same[0]['name']}: {ratio:.2f}x")
+        for twin in twins:  # causal draft levels through vLLM's kernel vs tree attention
+            base = next((r for r in trees if twin["name"].startswith(r["name"] + ",")), None)
+            if base is None:
+                continue
+            ratio = (
+                base["scenarios"][s]["ratio_to_vllm_plain"]
+                / twin["scenarios"][s]["ratio_to_vllm_plain"]
+            )
+            summary[s].setdefault("causal_draft_levels_vs_tree_attention", {})[base["name"]] = ratio
+            print(f"    {base['name']}: {ratio:.2f}x its twin with draft tree attention")
     out = Path(args.out)
     if out.is_dir() or args.out.endswith("/"):  # a folder: the default file name in it
         out = out / "vllm_e2e.json"

@@ -77,11 +77,9 @@ def test_sampling_is_lossless(llm):
     assert_first_tree_token_is_targets(llm, PROMPTS[3][:24], mode="target_only")
 
 
-def test_both_engines_grow_the_same_tree(llm):
-    """The plugin's first trees (vLLM's draft model) equal the local engine's (HF draft)
-    from the same context: one expansion module, two engines."""
-    recorded = llm.collective_rpc("treespec_recorded_trees")[0]
-    assert len(recorded) == 6
+def _trees_unlike_the_local_engines(recorded: list[dict]) -> list[str]:
+    """Request ids of the plugin's recorded trees that the local engine (HF draft, same
+    context, same expansion) does not grow token for token."""
     from tree_dev.engine import Engine
     from tree_dev.engine import SamplingParams as LocalParams
 
@@ -89,9 +87,47 @@ def test_both_engines_grow_the_same_tree(llm):
     proposals = []
     grow = engine._propose
     engine._propose = lambda batch: proposals.append(grow(batch)) or proposals[-1]
+    unlike = []
     for rec in recorded:
         proposals.clear()
         engine.generate([rec["context"]], LocalParams(max_tokens=1, ignore_eos=True))
         local = proposals[0][0]
-        assert local.tree.parents.tolist() == rec["parents"], rec["req_id"]
-        assert list(local.tokens) == rec["tokens"], rec["req_id"]
+        if local.tree.parents.tolist() != rec["parents"] or list(local.tokens) != rec["tokens"]:
+            unlike.append(rec["req_id"])
+    return unlike
+
+
+def test_both_engines_grow_the_same_tree(llm):
+    """The plugin's first trees (vLLM's draft model) equal the local engine's (HF draft)
+    from the same context: one expansion module, two engines. The plugin's first level
+    (the trunk: a causal run) went through vLLM's own kernel, the branched ones through
+    tree attention."""
+    recorded = llm.collective_rpc("treespec_recorded_trees")[0]
+    assert len(recorded) == 6
+    assert _trees_unlike_the_local_engines(recorded) == []
+    forwards = tree_stats(llm)["draft_forwards"]
+    assert forwards["causal"] > 0 and forwards["tree"] > 0, forwards
+
+
+def test_the_same_tree_check_fails_without_the_draft_mask(llm):
+    """With the draft's tree mask dropped (``debug_disable: "draft_mask"``: every level
+    through vLLM's causal kernel), the plugin's trees are not the local engine's; the
+    output stays lossless, since only the drafts are wrong."""
+    shutdown(llm)  # the module's last test: one engine at a time on this machine
+    reference = plain_outputs(PROMPTS[:6])  # eager, like the engine below
+    broken = make_llm(
+        max_num_seqs=8,
+        speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 8},
+        additional_config={
+            "treespec": {"tree": TREE, "record_trees": 6, "debug_disable": "draft_mask"}
+        },
+    )
+    try:
+        assert_lossless(broken, PROMPTS[:6], reference, batch1=True)
+        recorded = broken.collective_rpc("treespec_recorded_trees")[0]
+        assert tree_stats(broken)["draft_forwards"]["tree"] == 0
+    finally:
+        shutdown(broken)
+    assert len(recorded) == 6
+    # 2 of these 6 first trees differ (a sibling seeing its sibling shifts the ranking)
+    assert _trees_unlike_the_local_engines(recorded)

@@ -12,7 +12,9 @@ Keys of the ``treespec`` dict read here (other keys belong to the accuracy tooli
 - ``kernel_backend``: ``kernels`` backend for tree attention and the walk (default: triton
   on CUDA, torch on the CPU).
 - ``debug_disable``: ``"mask"``, ``"positions"`` or ``"compaction"`` turns that part of tree
-  verification off. For tests that prove the lossless checks can fail; never for serving.
+  verification off; ``"draft_mask"`` drops the tree mask from the draft's forwards (every
+  level through vLLM's causal kernel: wrong drafts, still lossless output). For tests that
+  prove the checks can fail; never for serving.
 - ``record_trees``: keep the first N proposed trees in the worker (for tests comparing the
   two engines' trees; ``runner.worker_recorded_trees``).
 - ``draft_sampling``: ``true`` draws a sampled request's (temperature > 0) draft children
@@ -35,7 +37,7 @@ from tree_dev.spec import Policy, StaticPolicy, TopKPolicy, parse_tree_spec
 
 KEY = "treespec"
 MODEL_METHODS = ("draft_model", "eagle")
-DEBUG_SWITCHES = ("mask", "positions", "compaction")
+DEBUG_SWITCHES = ("mask", "positions", "compaction", "draft_mask")
 KERNEL_BACKENDS = ("auto", "torch", "reference", "triton")
 
 

@@ -24,13 +24,14 @@ Nothing is recomputed: earlier levels' K/V stay in the draft cache for the later
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from tree_dev.proposer import TreeExpansion, tree_of
 from tree_dev.tree import TokenTree
-from tree_dev.vllm_plugin.attention import TreeAttentionMetadata, TreeRows, tree_batch
+from tree_dev.vllm_plugin.attention import ACTIVE, TreeAttentionMetadata, TreeRows, tree_batch
 
 TRUNK_LIMIT = 32  # catch-ups up to this long ride along in the first level
 CHUNK = 256  # longer ones are prefilled in chunks of this many elements first
@@ -86,6 +87,22 @@ class ModelDrafter:
         self.proposer = proposer
         self.layers = layer_names
         self.eagle = eagle
+        self._groups: list | None = None  # the proposer's attention groups, once it has them
+
+    @property
+    def groups(self) -> list:
+        """The proposer's attention groups of the draft layers, where vLLM's kernel can run
+        the causal levels (chains, trunks, catch-up chunks); empty: every level through
+        tree attention. vLLM builds them with the KV cache, after the model is loaded.
+        ``TREESPEC_DRAFT_ATTENTION=tree`` (a developer switch) keeps them empty."""
+        if self._groups is None:
+            groups = list(getattr(self.proposer, "draft_attn_groups", None) or [])
+            if not groups:
+                return []  # the KV cache is not built yet
+            covered = {name for g in groups for name in g.layer_names}
+            off = os.environ.get("TREESPEC_DRAFT_ATTENTION") == "tree"
+            self._groups = [] if off or not set(self.layers) <= covered else groups
+        return self._groups
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -119,9 +136,8 @@ class ModelDrafter:
         r = self.tr.runner
         bt = r.input_batch.block_table.block_tables[0]
         table, bs = bt.get_cpu_tensor(), bt.block_size
-        batch = tree_batch(tuple(trees))
         pos, slots, qnodes, keep = [], [], [], []
-        offset = 0
+        offset = node_base = 0  # rows so far; nodes of the earlier trees (TreeBatch order)
         for b, (row, p, tree, nodes) in enumerate(zip(rows, prefixes, trees, new_nodes)):
             nt = torch.tensor(nodes, dtype=torch.int64)
             linear = p + nt
@@ -134,45 +150,96 @@ class ModelDrafter:
             pos.append(p + tree.depth[nt])
             blocks = table[row].to(torch.int64)[linear // bs]
             slots.append(blocks * bs + linear % bs)
-            qnodes.append(int(batch.cu_nodes[b]) + nt)
+            qnodes.append(node_base + nt)
+            node_base += tree.num_nodes
             if want is not None:
                 where = {n: k for k, n in enumerate(nodes)}
                 keep.extend(offset + where[n] for n in want[b])
             offset += len(nodes)
-        meta = TreeAttentionMetadata(
-            TreeRows(
-                batch=batch,
-                row_index=torch.arange(offset),
-                prefix_lens=torch.tensor(prefixes, dtype=torch.int64),
-                query_nodes=torch.cat(qnodes),
-                block_table=table[rows],
-                kv_lens=[p + t.num_nodes for p, t in zip(prefixes, trees)],
-            ),
-            num_actual_tokens=offset,
-        )
         slot_t = torch.cat(slots)
+        positions = torch.cat(pos)
+        kv_lens = [p + t.num_nodes for p, t in zip(prefixes, trees)]
+        causal = bool(self.groups) and (
+            self.tr.cfg.debug_disable == "draft_mask" or all(map(_causal_tail, trees, new_nodes))
+        )
+        if causal:
+            metas = self._causal_metadata(table[rows], new_nodes, kv_lens, slot_t, positions)
+        else:
+            meta = TreeAttentionMetadata(
+                TreeRows(
+                    batch=tree_batch(tuple(trees)),
+                    row_index=torch.arange(offset),
+                    prefix_lens=torch.tensor(prefixes, dtype=torch.int64),
+                    query_nodes=torch.cat(qnodes),
+                    block_table=table[rows],
+                    kv_lens=kv_lens,
+                ),
+                num_actual_tokens=offset,
+            )
+            metas = {name: meta for name in self.layers}
+        self.tr.stats.draft_forwards["causal" if causal else "tree"] += 1
         kwargs = {
             "input_ids": torch.tensor(tokens, dtype=torch.int32),
-            "positions": torch.cat(pos),
+            "positions": positions,
         }
         if self.eagle:
             kwargs["hidden_states"] = feats
         else:
             kwargs["inputs_embeds"] = None
         model = self.proposer.model
-        with set_forward_context(
-            {name: meta for name in self.layers},
-            self.proposer.vllm_config,
-            num_tokens=offset,
-            slot_mapping={name: slot_t for name in self.layers},
-        ):
-            hidden = model(**kwargs)
+        # the override treats published verify rows as tree rows: none in a draft forward
+        verify, ACTIVE.verify = ACTIVE.verify, None
+        try:
+            with set_forward_context(
+                metas,
+                self.proposer.vllm_config,
+                num_tokens=offset,
+                slot_mapping={name: slot_t for name in self.layers},
+            ):
+                hidden = model(**kwargs)
+        finally:
+            ACTIVE.verify = verify
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         if want is None:
             return None, None
         h = hidden[torch.tensor(keep, dtype=torch.int64)]
         return torch.log_softmax(model.compute_logits(h).float(), dim=-1), h
+
+    def _causal_metadata(
+        self,
+        block_table: torch.Tensor,
+        new_nodes: list[list[int]],
+        kv_lens: list[int],
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> dict[str, object]:
+        """vLLM's own attention metadata of a forward whose rows are causal: each request's
+        new nodes are the last ``len(nodes)`` of ``kv_lens`` cached positions."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        q_lens = torch.tensor([len(n) for n in new_nodes], dtype=torch.int32)
+        qsl = torch.zeros(len(new_nodes) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        seq_lens = torch.tensor(kv_lens, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl,
+            seq_lens=seq_lens,
+            num_reqs=len(new_nodes),
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=max(kv_lens),
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping,
+            positions=positions,
+            seq_lens_cpu_upper_bound=seq_lens,
+        )
+        metas: dict[str, object] = {}
+        for g in self.groups:
+            meta = g.build_metadata_for_drafting(common_attn_metadata=common, draft_index=0)
+            metas.update(dict.fromkeys(g.layer_names, meta))
+        return metas
 
     # ----------------------------------------------------------------- propose
     def propose(
@@ -258,3 +325,10 @@ class ModelDrafter:
             )
             for g, n in zip(todo, chunks):
                 g.prefix += n
+
+
+def _causal_tail(tree: TokenTree, nodes: list[int]) -> bool:
+    """True when ``tree`` is a chain and ``nodes`` (ascending) are its last nodes: every
+    computed row then attends to exactly the rows before it, vLLM's causal mask."""
+    n = tree.num_nodes
+    return tree.max_depth == n - 1 and nodes[0] == n - len(nodes) and nodes[-1] == n - 1

@@ -57,6 +57,8 @@ class Stats:
     depth_accepted: list[int] = field(default_factory=list)
     fallback_requests: int = 0
     walks: dict[str, int] = field(default_factory=dict)  # tree walks per mode
+    # draft forwards by attention path: "causal" (vLLM's kernel), "tree" (tree attention)
+    draft_forwards: dict[str, int] = field(default_factory=lambda: {"causal": 0, "tree": 0})
     seconds: dict[str, float] = field(
         default_factory=lambda: {"walk": 0.0, "compact": 0.0, "propose": 0.0}
     )
@@ -83,6 +85,7 @@ class Stats:
             "depth_accepted": list(self.depth_accepted),
             "fallback_requests": self.fallback_requests,
             "walks": dict(self.walks),
+            "draft_forwards": dict(self.draft_forwards),
             "seconds": {**self.seconds, "tree_attention": attention.ACTIVE.seconds},
         }
 
