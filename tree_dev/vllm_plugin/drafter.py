@@ -136,6 +136,9 @@ class ModelDrafter:
         r = self.tr.runner
         bt = r.input_batch.block_table.block_tables[0]
         table, bs = bt.get_cpu_tensor(), bt.block_size
+        causal = bool(self.groups) and (
+            self.tr.cfg.debug_disable == "draft_mask" or all(map(_causal_tail, trees, new_nodes))
+        )
         pos, slots, qnodes, keep = [], [], [], []
         offset = node_base = 0  # rows so far; nodes of the earlier trees (TreeBatch order)
         for b, (row, p, tree, nodes) in enumerate(zip(rows, prefixes, trees, new_nodes)):
@@ -150,8 +153,9 @@ class ModelDrafter:
             pos.append(p + tree.depth[nt])
             blocks = table[row].to(torch.int64)[linear // bs]
             slots.append(blocks * bs + linear % bs)
-            qnodes.append(node_base + nt)
-            node_base += tree.num_nodes
+            if not causal:  # tree rows: each row's node in the TreeBatch
+                qnodes.append(node_base + nt)
+                node_base += tree.num_nodes
             if want is not None:
                 where = {n: k for k, n in enumerate(nodes)}
                 keep.extend(offset + where[n] for n in want[b])
@@ -159,9 +163,6 @@ class ModelDrafter:
         slot_t = torch.cat(slots)
         positions = torch.cat(pos)
         kv_lens = [p + t.num_nodes for p, t in zip(prefixes, trees)]
-        causal = bool(self.groups) and (
-            self.tr.cfg.debug_disable == "draft_mask" or all(map(_causal_tail, trees, new_nodes))
-        )
         if causal:
             metas = self._causal_metadata(table[rows], new_nodes, kv_lens, slot_t, positions)
         else:
@@ -330,5 +331,5 @@ class ModelDrafter:
 def _causal_tail(tree: TokenTree, nodes: list[int]) -> bool:
     """True when ``tree`` is a chain and ``nodes`` (ascending) are its last nodes: every
     computed row then attends to exactly the rows before it, vLLM's causal mask."""
-    n = tree.num_nodes
-    return tree.max_depth == n - 1 and nodes[0] == n - len(nodes) and nodes[-1] == n - 1
+    n = tree.num_nodes  # the last node at depth n - 1: all n nodes on one path
+    return int(tree.depth[-1]) == n - 1 and nodes[0] == n - len(nodes) and nodes[-1] == n - 1
