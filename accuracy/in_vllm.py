@@ -481,7 +481,11 @@ def _setup(runner) -> None:
     if cap is not None and st.async_writes:  # started now: start-up overlaps compile, warmup
         for mc in (st.target, st.draft):
             if mc is not None:
-                mc.writes = WriterProcess(mc.writer.settings(), cap.get("max_pending", 64))
+                mc.writes = WriterProcess(
+                    mc.writer.settings(),
+                    cap.get("max_pending", 64),
+                    hold=os.environ.get("TREESPEC_CAPTURE_HOLD", "1") == "1",
+                )
                 _WRITERS.add(mc.writes)
 
 
@@ -641,6 +645,8 @@ def _wrap_model_forward(runner, orig: Callable) -> Callable:
             _set_replacement(st, meta, positions)
         if st.target is not None:
             st.target.setup_tensor_capture()
+        for w in st.writer_processes():  # the last step's passes: written during this one
+            w.release()
         try:
             out = orig(*args, **kwargs)
         finally:

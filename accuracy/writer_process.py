@@ -61,17 +61,21 @@ class WriterProcess:
     Args:
         writer: the writer's constructor arguments (``capture_dir``, ``dp_rank``,
             ``tp_rank``, ``capture_filter``, ``config``; JSON-serialisable).
-        max_pending: passes in flight before :meth:`submit` waits (>= 1).
+        max_pending: passes in flight (sent or held) before :meth:`submit` waits (>= 1).
+        hold: keep each submitted pass (a copy of its bytes) until :meth:`release` or
+            :meth:`flush` sends it, so the caller picks when the child works.
 
     ``submit`` raises, as ``RuntimeError`` naming the pass and the file, the first error
     of an earlier pass; ``flush`` waits until every submitted pass is on disk and raises
     the same way. A child that died is a ``RuntimeError`` naming its exit code.
     """
 
-    def __init__(self, writer: dict[str, Any], max_pending: int = 64) -> None:
+    def __init__(self, writer: dict[str, Any], max_pending: int = 64, hold: bool = False) -> None:
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1: {max_pending!r}")
         self.max_pending = max_pending
+        self.hold = hold
+        self._held: list[bytes] = []  # frames kept until release() (hold=True)
         self._pending = 0
         self._seq = 0
         self._error: str | None = None
@@ -115,7 +119,8 @@ class WriterProcess:
             raise ValueError(f"{len(captures)} captures but {len(names)} names")
         self._drain(block=False)
         self._raise()
-        while self._pending >= self.max_pending:
+        while self._pending + len(self._held) >= self.max_pending:
+            self.release()
             self._drain(block=True)
             self._raise()
         bufs = [tensor_bytes(t) for t in captures]
@@ -137,15 +142,36 @@ class WriterProcess:
                 "extra": extra,
             },
         }
-        self._send(header, bufs)
+        if self.hold:  # copied now: the forward's buffers may be reused before release()
+            self._held.append(_frame(header, bufs))
+        else:
+            self._send(header, bufs)
+            self._pending += 1
         self._seq += 1
-        self._pending += 1
+
+    def release(self) -> None:
+        """Send the frames kept by ``hold=True`` to the child (a no-op when none are kept).
+
+        A capturing engine calls this as its next forward starts: the child then decodes
+        and writes while the forward keeps this process busy, instead of competing with
+        the engine's own processes for the free CPUs between steps."""
+        if not self._held or self._proc.stdin.closed:
+            return
+        frames, self._held = self._held, []
+        try:
+            for f in frames:
+                self._proc.stdin.write(f)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise self._died() from e
+        self._pending += len(frames)
 
     def flush(self) -> None:
         """Wait until every submitted pass is written; raise the first error (a no-op
         after :meth:`close`)."""
         if self._proc.stdin.closed:
             return
+        self.release()
         self._send({"op": "flush", "seq": -1}, [])
         self._pending += 1
         while self._pending:
@@ -163,9 +189,9 @@ class WriterProcess:
             self._proc.wait(timeout=60)
 
     def _send(self, header: dict[str, Any], bufs: list[memoryview]) -> None:
-        data = json.dumps(header, default=_json_default).encode()
+        data = _header(header)
         try:
-            self._proc.stdin.write(_LEN.pack(len(data)) + data)
+            self._proc.stdin.write(data)
             for b in bufs:
                 self._proc.stdin.write(b)
             self._proc.stdin.flush()
@@ -205,6 +231,17 @@ class WriterProcess:
             f"treespec capture: the writer process exited (code {code}) with "
             f"{self._pending} pass(es) unacknowledged"
         )
+
+
+def _header(header: dict[str, Any]) -> bytes:
+    """A frame's length prefix and JSON header."""
+    data = json.dumps(header, default=_json_default).encode()
+    return _LEN.pack(len(data)) + data
+
+
+def _frame(header: dict[str, Any], bufs: list[memoryview]) -> bytes:
+    """A whole frame as one bytes object (a copy of the tensors' bytes)."""
+    return b"".join([_header(header), *bufs])
 
 
 def _free_cpus() -> set[int]:

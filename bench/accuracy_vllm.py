@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from bench.common import environ
 from tree_dev.testing import shutdown_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +51,9 @@ MODES = {  # name -> tensor_capture extras (None: no capture)
     "plain": None,
     "capture_sync": {"async_writes": False},  # each pass on disk before the next step
     "capture": {},  # the default: writes in a child process
+    "capture_unheld": {},  # the same, each pass sent to the child as soon as it is captured
 }
+ENV = {"capture_unheld": {"TREESPEC_CAPTURE_HOLD": "0"}}  # mode -> worker environment
 
 
 def _engine(mode: str, capture_dir: str):
@@ -60,13 +63,14 @@ def _engine(mode: str, capture_dir: str):
     if MODES[mode] is not None:
         cap = {"modules": ["model.layers.0-5"], "capture_dir": capture_dir, **MODES[mode]}
         cfg = {"treespec": {"tensor_capture": cap}}
-    return LLM(
-        model=TARGET,
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=False,
-        additional_config=cfg,
-    )
+    with environ(ENV.get(mode)):  # read by the workers at start-up
+        return LLM(
+            model=TARGET,
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=False,
+            additional_config=cfg,
+        )
 
 
 def _time(llm, prompts: list[str], n: int) -> float:

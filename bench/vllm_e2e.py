@@ -35,6 +35,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.common import bench_llm
 from tree_dev.testing import shutdown_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -106,33 +107,11 @@ def held_out(n: int, length: int) -> list[list[int]]:
 
 def start_engine(cfg: dict):
     """One warmed ``LLM`` of a configuration and its start-up seconds."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = {}
-    if cfg["spec"] is not None:
-        kw["speculative_config"] = dict(cfg["spec"])
-    if cfg["tree"] is not None:
-        section = {"tree": cfg["tree"]}
-        if cfg.get("draft_sampling"):
-            section["draft_sampling"] = True
-        kw["additional_config"] = {"treespec": section}
-    t0 = time.perf_counter()
-    if cfg.get("draft_attention") == "tree":  # read by the engine's worker at start-up
-        os.environ["TREESPEC_DRAFT_ATTENTION"] = "tree"
-    try:
-        llm = LLM(
-            model=str(CK / "target"),
-            dtype="float32",
-            max_model_len=512,
-            max_num_seqs=4,
-            disable_log_stats=False,
-            seed=0,
-            **kw,
-        )
-    finally:
-        os.environ.pop("TREESPEC_DRAFT_ATTENTION", None)
-    startup = time.perf_counter() - t0
+    env = {"TREESPEC_DRAFT_ATTENTION": "tree"} if cfg.get("draft_attention") == "tree" else None
+    llm, startup = bench_llm(cfg, env)
     warm = [TokensPrompt(prompt_token_ids=p) for p in held_out(2, 32)]
     llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     return llm, startup

@@ -27,6 +27,7 @@ import os
 import time
 from pathlib import Path
 
+from bench.common import bench_llm
 from tree_dev.testing import shutdown_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -73,33 +74,14 @@ def _tree_steps(llm) -> list[int]:
 
 def run_engine(cfg: dict, tp: int, prompts: list[list[int]], max_tokens: int, eager: bool):
     """Start one engine at ``tp`` ranks, warm it, time every scenario."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from bench.vllm_e2e import _acceptance, _counters
 
-    kw = {}
-    if cfg["spec"] is not None:
-        kw["speculative_config"] = dict(cfg["spec"])
-    if cfg["tree"] is not None:
-        kw["additional_config"] = {"treespec": {"tree": cfg["tree"]}}
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = BIND[tp]
-    t0 = time.perf_counter()
-    try:
-        llm = LLM(
-            model=str(CK / "target"),
-            dtype="float32",
-            max_model_len=512,
-            max_num_seqs=4,
-            tensor_parallel_size=tp,
-            enforce_eager=eager,
-            disable_log_stats=False,
-            seed=0,
-            **kw,
-        )
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    startup = time.perf_counter() - t0
+    llm, startup = bench_llm(
+        cfg, {"VLLM_CPU_OMP_THREADS_BIND": BIND[tp]}, tensor_parallel_size=tp, enforce_eager=eager
+    )
     toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(toks[:2], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)

@@ -134,6 +134,36 @@ def test_a_full_queue_blocks_submit_until_the_child_catches_up(tmp_path, writers
         assert torch.equal(p.tensors["model.layers.0"][0], torch.full((2, 1, H), float(i)))
 
 
+def test_held_passes_are_copied_and_reach_the_child_only_when_released(tmp_path, writers):
+    _, wp = writers(tmp_path, hold=True)
+    wp.flush()  # the child is up
+    buf = torch.zeros(2, 1, H)  # one buffer the "forward" reuses every step
+    for step in range(3):
+        buf.fill_(float(step))
+        wp.submit(f"pass {step}", [buf], ["model.layers.0"],
+                  req_ids=["r0"], positions=[step], is_prefill=False)  # fmt: skip
+    time.sleep(0.5)
+    assert not (tmp_path / "dp0").exists()  # held: nothing was sent
+    wp.release()
+    buf.fill_(-1.0)  # the next step overwrites the buffer
+    wp.flush()
+    passes = read_captures(str(tmp_path / "dp0"))
+    assert [p.metadata.positions for p in passes] == [[0], [1], [2]]
+    for i, p in enumerate(passes):
+        assert torch.equal(p.tensors["model.layers.0"][0], torch.full((2, 1, H), float(i)))
+
+
+def test_a_full_hold_is_released_by_submit_and_flush_sends_the_rest(tmp_path, writers):
+    _, wp = writers(tmp_path, max_pending=2, hold=True)
+    for step in range(5):  # never released by the caller
+        wp.submit(f"pass {step}", [torch.full((2, 1, H), float(step))], ["model.layers.0"],
+                  req_ids=["r0"], positions=[step], is_prefill=False)  # fmt: skip
+        assert len(wp._held) + wp._pending <= 2
+    wp.flush()
+    passes = read_captures(str(tmp_path / "dp0"))
+    assert [p.metadata.positions for p in passes] == [[i] for i in range(5)]
+
+
 def _one(wp, step):
     ts = [torch.full((2, 1, H), float(step)), torch.full((1, V), float(-step))]
     wp.submit(f"pass {step}", ts, ["model.layers.0", "lm_head"],
