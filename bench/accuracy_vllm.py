@@ -7,7 +7,9 @@
    target (fp32), one at a time: plain; capturing every decoder layer
    (``model.layers.0-5``, written to disk) with synchronous writes
    (``"async_writes": False``, each pass written in the worker before the next step);
-   and capturing with the default writer process. The three engines are resident
+   capturing with the default writer process (each pass handed to it as the next
+   forward starts); and the same with each pass handed over as soon as it is captured
+   (``TREESPEC_CAPTURE_HOLD=0``, what the hold saves). The engines are resident
    together and timed back to back in every rep. Batch 1 and 4. Decode time per step
    = (time of ``max_tokens`` tokens - time of 1 token) / (``max_tokens`` - 1), median
    over ``reps`` x ``rounds``. Overhead = capture / plain - 1 (target <= 15%), also as
@@ -54,6 +56,11 @@ MODES = {  # name -> tensor_capture extras (None: no capture)
     "capture_unheld": {},  # the same, each pass sent to the child as soon as it is captured
 }
 ENV = {"capture_unheld": {"TREESPEC_CAPTURE_HOLD": "0"}}  # mode -> worker environment
+LABELS = {
+    "capture_sync": "synchronous writes",
+    "capture": "writer process",
+    "capture_unheld": "writer process, passes sent at once",
+}
 
 
 def _engine(mode: str, capture_dir: str):
@@ -170,22 +177,27 @@ def plot(result: dict, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    wf = result.get("workflow")
+    fig, axes = plt.subplots(1, 2 if wf else 1, figsize=(10 if wf else 6, 4), squeeze=False)
+    ax = axes[0][0]
     batches = sorted(result["overhead"]["batches"], key=int)
-    w = 0.27
+    w = 0.8 / len(MODES)
     for i, mode in enumerate(MODES):
         vals = [result["overhead"]["batches"][b]["decode_ms_per_step"][mode] for b in batches]
         ax.bar([j + i * w for j in range(len(batches))], vals, w, label=mode)
         for j, b in enumerate(batches):
             ov = result["overhead"]["batches"][b]["overhead"].get(mode)
             if ov is not None:
-                ax.annotate(f"{100 * ov:+.0f}%", (j + i * w, vals[j]), ha="center", va="bottom")
-    ax.set_xticks([j + w for j in range(len(batches))], [f"batch {b}" for b in batches])
+                ax.annotate(
+                    f"{100 * ov:+.0f}%", (j + i * w, vals[j]), ha="center", va="bottom", fontsize=8
+                )
+    mid = w * (len(MODES) - 1) / 2
+    ax.set_xticks([j + mid for j in range(len(batches))], [f"batch {b}" for b in batches])
     ax.set_ylabel("decode ms / step (compiled vLLM)")
     ax.set_title("capture of every decoder layer")
-    ax.legend()
-    if "workflow" in result:
-        wf = result["workflow"]
+    ax.legend(loc="lower right", fontsize=8)
+    if wf:
+        bx = axes[0][1]
         bx.bar(["hf-vs-vllm"], [wf["wall_s"]])
         bx.axhline(120, color="red", linestyle="--", label="2 min target")
         bx.set_ylabel("seconds")
@@ -215,15 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(args.out, result)
     png = plot(result, os.path.splitext(args.out)[0] + ".png")
     for b, r in result["overhead"]["batches"].items():
-        m, ov = r["decode_ms_per_step"], r["overhead"]
-        print(
-            f"batch {b}: decode {m['plain']:.2f} ms/step plain, "
-            f"{m['capture_sync']:.2f} capturing with synchronous writes "
-            f"({100 * ov['capture_sync']:+.1f}%), {m['capture']:.2f} through the writer "
-            f"process ({100 * ov['capture']:+.1f}%); paired per rep: "
-            f"{100 * r['paired_overhead']['capture_sync']:+.1f}% / "
-            f"{100 * r['paired_overhead']['capture']:+.1f}%"
+        m, ov, po = r["decode_ms_per_step"], r["overhead"], r["paired_overhead"]
+        modes = ", ".join(
+            f"{m[k]:.2f} {LABELS[k]} ({100 * ov[k]:+.1f}%, paired {100 * po[k]:+.1f}%)"
+            for k in MODES
+            if k != "plain"
         )
+        print(f"batch {b}: decode {m['plain']:.2f} ms/step plain; {modes}")
     if "workflow" in result:
         wf = result["workflow"]
         print(f"hf-vs-vllm 8x32: {wf['wall_s']:.1f} s, rc {wf['returncode']}: {wf['verdict']}")

@@ -1,0 +1,51 @@
+"""bench.common: the engine helper's arguments and the environment it starts under."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.common import TARGET, bench_llm, distinct_ratio, environ
+
+
+def test_environ_sets_then_restores_and_removes(monkeypatch):
+    monkeypatch.setenv("TREESPEC_T_KEEP", "old")
+    monkeypatch.delenv("TREESPEC_T_NEW", raising=False)
+    with pytest.raises(RuntimeError):
+        with environ({"TREESPEC_T_KEEP": "new", "TREESPEC_T_NEW": "1"}):
+            assert os.environ["TREESPEC_T_KEEP"] == "new"
+            assert os.environ["TREESPEC_T_NEW"] == "1"
+            raise RuntimeError("the engine failed to start")
+    assert os.environ["TREESPEC_T_KEEP"] == "old"
+    assert "TREESPEC_T_NEW" not in os.environ
+
+
+def test_bench_llm_maps_a_config_to_llm_arguments(monkeypatch):
+    import vllm  # installed by scripts/setup wherever the suite runs
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen.update(kw, env=os.environ.get("TREESPEC_DRAFT_ATTENTION"))
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.delenv("TREESPEC_DRAFT_ATTENTION", raising=False)
+    spec = {"method": "eagle", "model": "/e", "num_speculative_tokens": 4}
+    cfg = {"spec": spec, "tree": "chain:4", "draft_sampling": True}
+    llm, startup = bench_llm(cfg, {"TREESPEC_DRAFT_ATTENTION": "tree"}, enforce_eager=True)
+    assert isinstance(llm, FakeLLM) and startup >= 0
+    assert seen["model"] == str(TARGET) and seen["dtype"] == "float32"
+    assert seen["speculative_config"] == spec and seen["speculative_config"] is not spec
+    assert seen["additional_config"] == {"treespec": {"tree": "chain:4", "draft_sampling": True}}
+    assert seen["enforce_eager"] is True and seen["env"] == "tree"
+    assert "TREESPEC_DRAFT_ATTENTION" not in os.environ
+    seen.clear()
+    bench_llm({"spec": None, "tree": None})
+    assert "speculative_config" not in seen and "additional_config" not in seen
+
+
+def test_distinct_ratio():
+    assert distinct_ratio([[1, 2, 3, 4], [5, 5, 5, 5]]) == pytest.approx((1.0 + 0.25) / 2)
+    assert distinct_ratio([]) == 0.0
