@@ -27,11 +27,11 @@ and the pass's metadata into a frame, held until the next forward starts and the
 down a pipe, so the disk I/O and the file-format work never compete with it for the GIL,
 and the child works while the forward runs rather than beside the EngineCore between
 steps (``TREESPEC_CAPTURE_HOLD=0``, a developer switch, sends each pass at once). Every
-queued pass is on disk before a step that may finish a request returns its output, at worker shutdown, at exit and after
-:func:`flush_captures`. A write error is re-raised (``RuntimeError`` naming the pass and
-the file) by the next step and by every flush. ``"async_writes": False`` writes each pass
-in the worker before the next step; ``"max_pending"`` (default 64) bounds the passes in
-flight.
+queued pass is on disk before a step that may finish a request returns its output, at
+worker shutdown, at exit and after :func:`flush_captures`. A write error is re-raised
+(``RuntimeError`` naming the pass and the file) by the next step and by every flush.
+``"async_writes": False`` writes each pass in the worker before the next step;
+``"max_pending"`` (default 64) bounds the passes in flight.
 
 The draft model of speculative decoding (``draft_modules``) is captured around each of its
 forward calls into ``capture_dir/draft``.
