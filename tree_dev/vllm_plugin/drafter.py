@@ -139,29 +139,31 @@ class ModelDrafter:
         causal = bool(self.groups) and (
             self.tr.cfg.debug_disable == "draft_mask" or all(map(_causal_tail, trees, new_nodes))
         )
-        pos, slots, qnodes, keep = [], [], [], []
+        nblocks = bt.num_blocks_per_row
+        lin, pos, brow, qnodes, keep = [], [], [], [], []
         offset = node_base = 0  # rows so far; nodes of the earlier trees (TreeBatch order)
         for b, (row, p, tree, nodes) in enumerate(zip(rows, prefixes, trees, new_nodes)):
-            nt = torch.tensor(nodes, dtype=torch.int64)
-            linear = p + nt
-            if (p + nodes[-1]) // bs >= int(bt.num_blocks_per_row[row]):
+            if (p + nodes[-1]) // bs >= int(nblocks[row]):
                 raise RuntimeError(
                     f"treespec: draft node {nodes[-1]} of batch row {row} would be written at "
-                    f"position {p + nodes[-1]}, past the {bt.num_blocks_per_row[row]} KV "
+                    f"position {p + nodes[-1]}, past the {nblocks[row]} KV "
                     f"blocks vLLM allocated for the request (block size {bs})"
                 )
-            pos.append(p + tree.depth[nt])
-            blocks = table[row].to(torch.int64)[linear // bs]
-            slots.append(blocks * bs + linear % bs)
+            depth = tree.depth.tolist()
+            lin += [p + n for n in nodes]  # node j sits at slot prefix + j
+            pos += [p + depth[n] for n in nodes]  # RoPE position prefix + depth
+            brow += [row] * len(nodes)
             if not causal:  # tree rows: each row's node in the TreeBatch
-                qnodes.append(node_base + nt)
+                qnodes += [node_base + n for n in nodes]
                 node_base += tree.num_nodes
             if want is not None:
                 where = {n: k for k, n in enumerate(nodes)}
                 keep.extend(offset + where[n] for n in want[b])
             offset += len(nodes)
-        slot_t = torch.cat(slots)
-        positions = torch.cat(pos)
+        linear = torch.tensor(lin, dtype=torch.int64)
+        blocks = table[torch.tensor(brow, dtype=torch.int64), linear // bs].to(torch.int64)
+        slot_t = blocks * bs + linear % bs
+        positions = torch.tensor(pos, dtype=torch.int64)
         kv_lens = [p + t.num_nodes for p, t in zip(prefixes, trees)]
         if causal:
             metas = self._causal_metadata(table[rows], new_nodes, kv_lens, slot_t, positions)
@@ -171,7 +173,7 @@ class ModelDrafter:
                     batch=tree_batch(tuple(trees)),
                     row_index=torch.arange(offset),
                     prefix_lens=torch.tensor(prefixes, dtype=torch.int64),
-                    query_nodes=torch.cat(qnodes),
+                    query_nodes=torch.tensor(qnodes, dtype=torch.int64),
                     block_table=table[rows],
                     kv_lens=kv_lens,
                 ),
