@@ -23,7 +23,7 @@ patches):
 
 Writes run in a child process (:class:`~accuracy.writer_process.WriterProcess`, on the
 CPUs the worker's forward is not bound to): the forward only copies the captured bytes
-and the pass's metadata into a frame, held until the next forward starts and then sent
+and the pass's metadata into a frame, held until the next step starts and then sent
 down a pipe, so the disk I/O and the file-format work never compete with it for the GIL,
 and the child works while the forward runs rather than beside the EngineCore between
 steps (``TREESPEC_CAPTURE_HOLD=0``, a developer switch, sends each pass at once). Every
@@ -647,8 +647,6 @@ def _wrap_model_forward(runner, orig: Callable) -> Callable:
             _set_replacement(st, meta, positions)
         if st.target is not None:
             st.target.setup_tensor_capture()
-        for w in st.writer_processes():  # the last step's passes: written during this one
-            w.release()
         try:
             out = orig(*args, **kwargs)
         finally:
@@ -762,6 +760,8 @@ def _wrap_execute_model(runner, orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def execute_model(scheduler_output, *args, **kwargs):
+        for w in st.writer_processes():  # the last step's passes: written during this one
+            w.release()
         st.scheduler_output = scheduler_output
         if st.replacer is not None:
             for new in scheduler_output.scheduled_new_reqs:

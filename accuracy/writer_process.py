@@ -152,7 +152,7 @@ class WriterProcess:
     def release(self) -> None:
         """Send the frames kept by ``hold=True`` to the child (a no-op when none are kept).
 
-        A capturing engine calls this as its next forward starts: the child then decodes
+        A capturing engine calls this as its next step starts: the child then decodes
         and writes while the forward keeps this process busy, instead of competing with
         the engine's own processes for the free CPUs between steps."""
         if not self._held or self._proc.stdin.closed:

@@ -8,7 +8,7 @@
    (``model.layers.0-5``, written to disk) with synchronous writes
    (``"async_writes": False``, each pass written in the worker before the next step);
    capturing with the default writer process (each pass handed to it as the next
-   forward starts); and the same with each pass handed over as soon as it is captured
+   step starts); and the same with each pass handed over as soon as it is captured
    (``TREESPEC_CAPTURE_HOLD=0``, what the hold saves). The engines are resident
    together and timed back to back in every rep. Batch 1 and 4. Decode time per step
    = (time of ``max_tokens`` tokens - time of 1 token) / (``max_tokens`` - 1), median
