@@ -5,7 +5,9 @@ and the pass's metadata go down a pipe as one frame; the child (:func:`main` in 
 new interpreter, started once per runner) rebuilds the tensors and writes the
 pass with :class:`~accuracy.writer.CaptureWriter`, exactly as an in-process write would
 (same directories, counters, files and manifest). The engine's cost per pass is the copy
-of the captured bytes into the pipe.
+of the captured bytes into a frame; with ``hold=True`` (vLLM's capture) the frame waits
+for :meth:`WriterProcess.release` at the start of the next step before it goes down the
+pipe.
 
 Frames (parent -> child, on the child's stdin): a 4-byte big-endian length, a UTF-8 JSON
 header, then the payload (the tensors' bytes back to back, as the header lists them).
