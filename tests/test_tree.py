@@ -75,6 +75,7 @@ def check_derived(tree: TokenTree, parents: list[int]) -> None:
     assert tree.parents.tolist() == parents
     depth = [len(ancestors_by_walking(parents, i)) - 1 for i in range(n)]
     assert tree.depth.tolist() == depth
+    assert tree.depth_list == tuple(depth)
     assert tree.max_depth == max(depth)
     assert tree.positions(17).tolist() == [17 + d for d in depth]
     anc = [ancestors_by_walking(parents, i) for i in range(n)]

@@ -252,16 +252,21 @@ class TokenTree:
 
     # ------------------------------------------------------------------ derived
     @cached_property
-    def depth(self) -> torch.Tensor:
-        """``int64[N]``: depth of each node (root 0)."""
+    def depth_list(self) -> tuple[int, ...]:
+        """Depth of each node (root 0) as Python ints, for per-node bookkeeping."""
         d = [0] * self.num_nodes
         for i in range(1, self.num_nodes):
             d[i] = d[self._plist[i]] + 1
-        return torch.tensor(d, dtype=torch.int64)
+        return tuple(d)
+
+    @cached_property
+    def depth(self) -> torch.Tensor:
+        """``int64[N]``: depth of each node (root 0)."""
+        return torch.tensor(self.depth_list, dtype=torch.int64)
 
     @cached_property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return max(self.depth_list)
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """``int64[N]`` absolute positions: ``seq_len + depth`` (root at ``seq_len``)."""

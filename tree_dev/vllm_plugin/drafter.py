@@ -24,9 +24,11 @@ Nothing is recomputed: earlier levels' K/V stay in the draft cache for the later
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tree_dev.proposer import TreeExpansion, tree_of
@@ -135,7 +137,7 @@ class ModelDrafter:
 
         r = self.tr.runner
         bt = r.input_batch.block_table.block_tables[0]
-        table, bs = bt.get_cpu_tensor(), bt.block_size
+        table, bs = bt.get_numpy_array(), bt.block_size
         causal = bool(self.groups) and (
             self.tr.cfg.debug_disable == "draft_mask" or all(map(_causal_tail, trees, new_nodes))
         )
@@ -149,7 +151,7 @@ class ModelDrafter:
                     f"position {p + nodes[-1]}, past the {nblocks[row]} KV "
                     f"blocks vLLM allocated for the request (block size {bs})"
                 )
-            depth = tree.depth.tolist()
+            depth = tree.depth_list
             lin += [p + n for n in nodes]  # node j sits at slot prefix + j
             pos += [p + depth[n] for n in nodes]  # RoPE position prefix + depth
             brow += [row] * len(nodes)
@@ -160,13 +162,16 @@ class ModelDrafter:
                 where = {n: k for k, n in enumerate(nodes)}
                 keep.extend(offset + where[n] for n in want[b])
             offset += len(nodes)
-        linear = torch.tensor(lin, dtype=torch.int64)
-        blocks = table[torch.tensor(brow, dtype=torch.int64), linear // bs].to(torch.int64)
-        slot_t = blocks * bs + linear % bs
-        positions = torch.tensor(pos, dtype=torch.int64)
+        # index arithmetic in NumPy: a handful of tiny torch ops per level cost more here
+        # than the draft's attention (CPU dispatch overhead)
+        linear = np.asarray(lin, dtype=np.int64)
+        slots = table[np.asarray(brow), linear // bs].astype(np.int64) * bs + linear % bs
+        slot_t = torch.from_numpy(slots)
+        positions = torch.from_numpy(np.asarray(pos, dtype=np.int64))
+        block_rows = torch.from_numpy(table[rows])
         kv_lens = [p + t.num_nodes for p, t in zip(prefixes, trees)]
         if causal:
-            metas = self._causal_metadata(table[rows], new_nodes, kv_lens, slot_t, positions)
+            metas = self._causal_metadata(block_rows, new_nodes, kv_lens, slot_t, positions)
         else:
             meta = TreeAttentionMetadata(
                 TreeRows(
@@ -174,7 +179,7 @@ class ModelDrafter:
                     row_index=torch.arange(offset),
                     prefix_lens=torch.tensor(prefixes, dtype=torch.int64),
                     query_nodes=torch.tensor(qnodes, dtype=torch.int64),
-                    block_table=table[rows],
+                    block_table=block_rows,
                     kv_lens=kv_lens,
                 ),
                 num_actual_tokens=offset,
@@ -206,7 +211,7 @@ class ModelDrafter:
             hidden = hidden[0]
         if want is None:
             return None, None
-        h = hidden[torch.tensor(keep, dtype=torch.int64)]
+        h = hidden[:offset] if keep == list(range(offset)) else hidden[torch.tensor(keep)]
         return torch.log_softmax(model.compute_logits(h).float(), dim=-1), h
 
     def _causal_metadata(
@@ -221,17 +226,16 @@ class ModelDrafter:
         new nodes are the last ``len(nodes)`` of ``kv_lens`` cached positions."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        q_lens = torch.tensor([len(n) for n in new_nodes], dtype=torch.int32)
-        qsl = torch.zeros(len(new_nodes) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
+        q_lens = [len(n) for n in new_nodes]
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
         seq_lens = torch.tensor(kv_lens, dtype=torch.int32)
         common = CommonAttentionMetadata(
             query_start_loc=qsl,
             query_start_loc_cpu=qsl,
             seq_lens=seq_lens,
             num_reqs=len(new_nodes),
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=int(q_lens.max()),
+            num_actual_tokens=sum(q_lens),
+            max_query_len=max(q_lens),
             max_seq_len=max(kv_lens),
             block_table_tensor=block_table,
             slot_mapping=slot_mapping,
@@ -284,8 +288,12 @@ class ModelDrafter:
                 feats,
                 want,
             )
-            sizes = [len(w) for w in want]
-            for g, w, lp, out in zip(active, want, logprobs.split(sizes), outs.split(sizes)):
+            if len(active) == 1:  # a split costs more than the rest of the level's Python
+                parts = zip(active, want, (logprobs,), (outs,))
+            else:
+                sizes = [len(w) for w in want]
+                parts = zip(active, want, logprobs.split(sizes), outs.split(sizes))
+            for g, w, lp, out in parts:
                 g.expansion.absorb(lp)
                 g.new = []
                 for node, o in zip(w, out):
@@ -334,4 +342,4 @@ def _causal_tail(tree: TokenTree, nodes: list[int]) -> bool:
     """True when ``tree`` is a chain and ``nodes`` (ascending) are its last nodes: every
     computed row then attends to exactly the rows before it, vLLM's causal mask."""
     n = tree.num_nodes  # the last node at depth n - 1: all n nodes on one path
-    return int(tree.depth[-1]) == n - 1 and nodes[0] == n - len(nodes) and nodes[-1] == n - 1
+    return tree.depth_list[-1] == n - 1 and nodes[0] == n - len(nodes) and nodes[-1] == n - 1
