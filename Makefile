@@ -1,4 +1,5 @@
-# Two commands for a newcomer (README): `make demo` runs the main job, `make test` the tests.
+# Two commands for a newcomer (README): `make demo` runs the main job (the local engine,
+# then the plugin inside vLLM), `make test` the tests.
 # Both run scripts/setup first, which is a no-op once the venv is up to date.
 PY := .venv/bin/python
 
@@ -9,6 +10,8 @@ setup:
 
 demo: setup
 	$(PY) -m bench.e2e
+	@if $(PY) -c "import vllm" 2>/dev/null; then $(PY) -m bench.vllm_e2e --quick; \
+	else echo "vLLM is not installed (TREESPEC_SKIP_VLLM=1?): skipping bench.vllm_e2e"; fi
 
 kernels: setup
 	$(PY) -m bench
