@@ -59,23 +59,26 @@ def configs(quick: bool, eagle_dir: str) -> list[dict]:
             name = f"vllm {method} chain k={k}" if method != "ngram" else f"vllm ngram k={k}"
             spec = {"method": method, "num_speculative_tokens": k, **extra}
             out.append({"name": name, "spec": spec, "tree": None, "method": method, "budget": k})
-    trees = [  # (method, draft, tree spec, sampled drafts)
-        ("draft_model", draft, "topk:k=2,depth=3,budget=4", False),
-        ("draft_model", draft, "topk:k=2,depth=4,budget=8", False),
-        ("eagle", eagle_dir, "topk:k=2,depth=3,budget=4", False),
-        ("eagle", eagle_dir, "topk:k=2,depth=4,budget=8", False),
-        ("eagle", eagle_dir, "topk:k=2,depth=8,budget=16", False),
-        ("ngram", None, "ngram:budget=8", False),
-        ("ngram", None, "ngram:budget=16", False),
-        ("draft_model", draft, "chain:4", True),
-        ("eagle", eagle_dir, "chain:4", True),
-        ("eagle", eagle_dir, "chain:8", True),
+    trees = [  # (method, draft, tree spec, sampled drafts, in the quick grid)
+        ("draft_model", draft, "topk:k=2,depth=3,budget=4", False, False),
+        ("draft_model", draft, "topk:k=2,depth=4,budget=8", False, True),
+        ("eagle", eagle_dir, "topk:k=2,depth=3,budget=4", False, False),
+        ("eagle", eagle_dir, "topk:k=2,depth=4,budget=8", False, True),
+        ("eagle", eagle_dir, "topk:k=2,depth=8,budget=16", False, False),
+        # a ranking temperature < 1 sharpens the under-confident head's scores: deeper trees
+        ("eagle", eagle_dir, "topk:k=2,depth=8,budget=8,temp=0.5", False, False),
+        ("eagle", eagle_dir, "topk:k=2,depth=8,budget=8,temp=0.25", False, False),
+        ("ngram", None, "ngram:budget=8", False, True),
+        ("ngram", None, "ngram:budget=16", False, False),
+        ("draft_model", draft, "chain:4", True, True),
+        ("eagle", eagle_dir, "chain:4", True, True),
+        ("eagle", eagle_dir, "chain:8", True, False),
     ]
-    if quick:
-        trees = [trees[i] for i in (1, 3, 5, 7, 8)]
     from tree_dev.spec import parse_tree_spec
 
-    for method, model, tree, sampled in trees:
+    for method, model, tree, sampled, in_quick in trees:
+        if quick and not in_quick:
+            continue
         spec = {"method": method, "num_speculative_tokens": parse_tree_spec(tree).draft_budget}
         if model is not None:
             spec["model"] = model
