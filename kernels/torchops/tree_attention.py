@@ -30,8 +30,9 @@ scores: ``Q K^T`` in fp32 through oneDNN (exactly what the fused kernel computes
 a piece of at most ``_ROW_TILE_KEYS`` prefix keys, the tree's keys appended to the
 last piece with the ``[n, n]`` ancestor bias added to their columns only, one fp32
 softmax per row, then ``P V``: bf16 ``matmul`` with ``P`` in bf16 (as the fused kernel
-does), or fp32 through oneDNN (``matmul`` for small trees, where copying V^T costs more
-than it saves); several pieces are merged by LSE in fp32. No mask beyond ``[n, n]``,
+does; in fp32 on CPUs without AVX-512, whose bf16 GEMM is tens of times slower), or
+fp32 through oneDNN (``matmul`` for small trees, where copying V^T costs more than it
+saves); several pieces are merged by LSE in fp32. No mask beyond ``[n, n]``,
 and the workspace is a bounded tile, never ``[N, P + N]``. A small request (all its
 heads' scores within ``_SMALL_TILE_BYTES``, e.g. a decode step of a small model) is
 one tile of all its heads in a handful of batched ops instead, since there the number
@@ -74,6 +75,10 @@ _ONEDNN_LINEAR = (
     else None
 )
 _PV_ONEDNN_ROWS = 64  # fp32 query rows per KV head from which P V goes through oneDNN
+# A CPU without AVX-512 has no fast bf16 GEMM: a bf16 ``bmm`` measured about 54x slower
+# than fp32 on an AVX2-only AMD EPYC (one thread, [8, 64, 64] @ [8, 64, 1024]), where an
+# upcast costs about what the fp32 GEMM does. There the tiles' ``P V`` runs in fp32.
+_LOWP_PV_FAST = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
 _CONSTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -378,7 +383,10 @@ def _small_group(
     )  # [Hkv, G * n, L] fp32
     m = s.amax(-1) if lse is not None else None
     p = torch.softmax(s, -1)
-    o = torch.bmm(p.to(q.dtype), v.transpose(0, 1))  # [Hkv, G * n, D]
+    if _LOWP_PV_FAST:  # P in q's dtype, as the fused kernel does
+        o = torch.bmm(p.to(q.dtype), v.transpose(0, 1))  # [Hkv, G * n, D]
+    else:
+        o = torch.bmm(p, v.float().transpose(0, 1))
     out[grp.rows] = o.view(hq, n, d).transpose(0, 1)
     if lse is not None:  # p's row max is exp(0) / sum: lse = m + log(sum)
         lse[grp.rows] = (m - torch.log(p.amax(-1))).view(hq, n).T
@@ -444,17 +452,18 @@ def _row_tile_group(
     pieces = _key_pieces(plen, n)
     widest = max(e - s for s, e in pieces)
     fp32 = q.dtype == torch.float32
+    pv_fp32 = fp32 or not _LOWP_PV_FAST  # P V in fp32 (bf16 without a fast bf16 GEMM)
     # fp32 P V through oneDNN too, when V^T's copy (per KV head and key piece) pays off.
-    pv_onednn = fp32 and g * n >= _PV_ONEDNN_ROWS
+    pv_onednn = pv_fp32 and g * n >= _PV_ONEDNN_ROWS
     # A tile: ``gs`` query heads of one KV head (gs * n rows), fp32 scores <= _TILE_BYTES.
     unit = n * widest * 4
     gs = max(1, min(g, _TILE_BYTES // unit))
     tile = gs * unit // 4  # fp32 elements of the largest tile
     p_buf = _workspace("probs", tile, q, torch.float32)
-    pb_buf = None if fp32 else _workspace("probs_lowp", tile, q)
+    pb_buf = None if pv_fp32 else _workspace("probs_lowp", tile, q)
     k_buf = _workspace("k_fp32", widest * d, q, torch.float32)
-    v_buf = _workspace("v_rows", widest * d, q) if pv_onednn else None
-    vt_buf = _workspace("v_fp32_t", widest * d, q) if pv_onednn else None
+    v_buf = _workspace("v_rows", widest * d, q, torch.float32) if pv_onednn else None
+    vt_buf = _workspace("v_fp32_t", widest * d, q, torch.float32) if pv_onednn else None
     q_buf = _workspace("q_fp32", hq * n * d, q, torch.float32)
     need_lse = lse is not None or len(pieces) > 1
     for i, r in enumerate(grp.reqs):
@@ -484,8 +493,8 @@ def _row_tile_group(
                     torch.ops.aten._softmax.out(s, -1, False, out=p)
                     if pv_onednn:
                         o_t = _gemm_nt(p, vt)
-                    elif fp32:
-                        o_t = torch.matmul(p, v_r[h, c0:c1])
+                    elif pv_fp32:
+                        o_t = torch.matmul(p, v_r[h, c0:c1].float())
                     else:  # P in q's dtype, as the fused kernel does
                         pb = pb_buf[: rows_t * width].view(rows_t, width).copy_(p)
                         o_t = torch.matmul(pb, v_r[h, c0:c1])
