@@ -481,6 +481,8 @@ def _row_tile_group(
                 if pv_onednn:  # V^T for the second GEMM: [D, width], via a contiguous copy
                     v_rows = v_buf[: width * d].view(width, d).copy_(v_r[h, c0:c1])
                     vt = vt_buf[: width * d].view(d, width).copy_(v_rows.T)
+                elif pv_fp32:  # once per KV head and piece, not per tile (a view if fp32)
+                    v_f = v_r[h, c0:c1].float()
                 for g0 in range(0, g, gs):
                     g1 = min(g, g0 + gs)
                     rows_t = (g1 - g0) * n
@@ -494,7 +496,7 @@ def _row_tile_group(
                     if pv_onednn:
                         o_t = _gemm_nt(p, vt)
                     elif pv_fp32:
-                        o_t = torch.matmul(p, v_r[h, c0:c1].float())
+                        o_t = torch.matmul(p, v_f)
                     else:  # P in q's dtype, as the fused kernel does
                         pb = pb_buf[: rows_t * width].view(rows_t, width).copy_(p)
                         o_t = torch.matmul(pb, v_r[h, c0:c1])
