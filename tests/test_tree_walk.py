@@ -627,7 +627,7 @@ def test_greedy_walk_replays_in_a_cuda_graph(backend):
     case = make_case(3, LIMITS["torch"], 1000, "greedy", torch.float32)
     tree = case["tree"].to("cuda")
     logits, tokens = case["logits"].cuda(), case["tokens"].cuda()
-    fn = importlib.import_module(kernels.BACKENDS[backend]).tree_walk
+    fn = importlib.import_module(f"{kernels.BACKENDS[backend]}.tree_walk").tree_walk
     fn(logits, tokens, tree, "greedy")  # warm up (compile) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
