@@ -3,8 +3,9 @@
 On held-out standard-library prompts (the committed tiny models, fp32, torch.compile on),
 at batch 1 and at 4 concurrent requests, greedy and temperature 0.8:
 
-- vLLM plain decoding, vLLM ``ngram`` (chain), vLLM ``draft_model`` chain with the
-  committed draft LM, vLLM ``eagle`` chain with the exported EAGLE head;
+- vLLM plain decoding, vLLM ``ngram`` (chain), vLLM ``suffix`` (SuffixDecoding; needs
+  ``arctic_inference``, see ``scripts/setup_suffix``, else skipped), vLLM ``draft_model``
+  chain with the committed draft LM, vLLM ``eagle`` chain with the exported EAGLE head;
 - the project's trees through the plugin: draft-LM top-K trees, EAGLE top-K trees and the
   n-gram trie, at a few budgets; and static chains with sampled drafts (``draft_sampling``:
   at temperature > 0 the children are drawn from the draft and verified by the residual
@@ -30,6 +31,7 @@ Writes ``results/vllm_e2e.json`` and ``results/vllm_e2e.png``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
@@ -50,13 +52,20 @@ def configs(quick: bool, eagle_dir: str) -> list[dict]:
     """Engine configurations: name, speculative_config, tree spec (None: vLLM's own)."""
     draft = str(CK / "draft")
     out = [{"name": "vllm plain", "spec": None, "tree": None, "method": None, "budget": 0}]
+    builtins = [
+        ("ngram", {"prompt_lookup_max": 4}),
+        ("draft_model", {"model": draft}),
+        ("eagle", {"model": eagle_dir}),
+    ]
+    # SuffixDecoding (k: its most tokens a step; tree depth etc. at vLLM's defaults)
+    if importlib.util.find_spec("arctic_inference") is None:
+        print("skipping vllm suffix: arctic_inference is not installed (scripts/setup_suffix)")
+    else:
+        builtins.insert(1, ("suffix", {}))
     for k in CHAIN_LENGTHS:  # vLLM's own chains at each tree budget (same draft, same nodes)
-        for method, extra in (
-            ("ngram", {"prompt_lookup_max": 4}),
-            ("draft_model", {"model": draft}),
-            ("eagle", {"model": eagle_dir}),
-        ):
-            name = f"vllm {method} chain k={k}" if method != "ngram" else f"vllm ngram k={k}"
+        for method, extra in builtins:
+            draftless = method in ("ngram", "suffix")
+            name = f"vllm {method} k={k}" if draftless else f"vllm {method} chain k={k}"
             spec = {"method": method, "num_speculative_tokens": k, **extra}
             out.append({"name": name, "spec": spec, "tree": None, "method": method, "budget": k})
     trees = [  # (method, draft, tree spec, sampled drafts, in the quick grid)
