@@ -241,7 +241,9 @@ def verify_cost(models, prefix: int, sizes: tuple[int, ...], backend: str, reps:
     return out
 
 
-def draft_level_ms(models, backend: str, prefix: int = 96, reps: int = 100) -> dict:
+def draft_level_ms(
+    models, backend: str, prefix: int = 96, reps: int = 100, drafters=("eagle", "draft")
+) -> dict:
     """CPU ms (thread time, min over ``reps``: robust to other processes) of one draft
     forward per kind of level, for the EAGLE head and the draft LM, at batch 1:
     ``level0``: the trunk (5 accepted tokens ending in the root, logits at the root
@@ -256,7 +258,7 @@ def draft_level_ms(models, backend: str, prefix: int = 96, reps: int = 100) -> d
         "chain-level": (tree_of((-1, 0, 1, 2)), [3], [0]),
     }
     out = {}
-    for drafter in ("eagle", "draft"):
+    for drafter in drafters:
         kw = {"eagle": models.eagle} if drafter == "eagle" else {"draft": models.draft}
         engine = Engine(
             models.target,
@@ -353,6 +355,28 @@ def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> No
     plt.close(fig)
 
 
+def load_models(model: str | None, n_prompts: int, args) -> tuple:
+    """``(engine models, untouched HF copies, prompts)`` for a model set (the committed
+    toy by default: target, draft LM, EAGLE head; held-out standard-library windows) or a
+    pretrained model by name or directory (``smollm2-135m``: the target alone, the
+    held-out code and chat prompts of ``tree_dev.models.prompts``)."""
+    from tree_dev.models import ModelSet, load
+    from tree_dev.models.named import resolve_model
+
+    path = resolve_model(model) if model is not None else None
+    if path is None or (path / "target").is_dir():
+        models, hf_models = load(path), load(path)  # the copies keep SDPA for HF generate
+        return models, hf_models, held_out_prompts(models.tokenizer, n_prompts, args.prompt_tokens)
+    from transformers import AutoTokenizer
+
+    from tree_dev.engine import load_causal_lm
+    from tree_dev.models.prompts import heldout_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(path)
+    sets = [ModelSet(load_causal_lm(path), None, None, tok, path) for _ in range(2)]
+    return sets[0], sets[1], heldout_prompt_ids(tok, n_prompts)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="budgets 8 and 16, 4 prompts, 1 round")
@@ -371,6 +395,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=None, help="rounds of the grid (default 3; --quick: 1)"
     )
     ap.add_argument("--models", default=None, help="model set directory (default: committed)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a model name or directory instead of --models: smollm2-135m (SmolLM2-135M-"
+        "Instruct, fetched on first use; no draft, so the draft-free families and HF's "
+        "plain / prompt-lookup peers on the held-out code and chat prompts)",
+    )
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -390,11 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = args.max_tokens or (64 if args.quick else 128)
     drafters = ("eagle", "draft") if args.drafter == "both" else (args.drafter,)
 
-    from tree_dev.models import load
-
-    models = load(args.models)
-    hf_models = load(args.models)  # untouched copies (SDPA attention) for HF generate
-    prompts = held_out_prompts(models.tokenizer, n_prompts, args.prompt_tokens)
+    models, hf_models, prompts = load_models(args.model or args.models, n_prompts, args)
+    peer_kinds = PEERS[1:]
+    if models.draft is None:  # a pretrained model without a draft: draft-free rows only
+        families = tuple(f for f in families if f in DRAFT_FREE)
+        drafters, peer_kinds = (), tuple(k for k in PEERS[1:] if k != "hf-assisted")
     jobs = []
     for temp in temps:
         for b in budgets:
@@ -427,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(rounds):
         baselines(rnd)
         for temp in temps:
-            for kind in PEERS[1:]:
+            for kind in peer_kinds:
                 r = run_hf(hf_models, kind, prompts, max_tokens, temp)
                 peer_runs.setdefault((kind, temp), []).append(r)
         for j, (spec, drafter, family, budget, temp) in enumerate(
@@ -472,10 +503,10 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("hf", "none"):
             flat = [x for rr in base_runs[(key, temp)] for x in rr]
             peers.append(summarize(flat[::2], temp))
-        for kind in PEERS[1:]:
+        for kind in peer_kinds:
             peers.append(summarize(peer_runs[(kind, temp)], temp))
     verify_ms = verify_cost(models, args.prompt_tokens, (1, 5, 9, 17, 33, 64), args.kernel_backend)
-    level_ms = draft_level_ms(models, args.kernel_backend, args.prompt_tokens)
+    level_ms = draft_level_ms(models, args.kernel_backend, args.prompt_tokens, drafters=drafters)
 
     chain_vs_topk = {}
     greedy = [r for r in rows if r["temperature"] == 0]
@@ -556,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     strip = lambda r: {k: v for k, v in r.items() if k != "outputs"}  # noqa: E731
     report = {
         "config": {
+            "model": args.model or args.models or "stdlib-v1",
             "prompts": n_prompts,
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": max_tokens,

@@ -25,6 +25,10 @@ run. Engines are idle while the other one decodes.
 vLLM's chains run at every tree budget (k = 4 and 8), so each tree is also compared with
 vLLM's chain of the same draft and node budget (``tree_vs_same_budget_chain``).
 
+``--model smollm2-135m`` runs the real pretrained model (fetched by name, eager) on the
+held-out code and chat prompts: it has no draft, so its grid is vLLM plain, ``ngram``,
+``suffix`` and the plugin's n-gram trie.
+
 Writes ``results/vllm_e2e.json`` and ``results/vllm_e2e.png``.
 """
 
@@ -48,15 +52,18 @@ CHAIN_LENGTHS = (4, 8)  # the trees' node budgets; 16 only in the full grid's EA
 SCENARIOS = (("batch1", 1, 0.0), ("batch1", 1, 0.8), ("conc4", 4, 0.0), ("conc4", 4, 0.8))
 
 
-def configs(quick: bool, eagle_dir: str) -> list[dict]:
-    """Engine configurations: name, speculative_config, tree spec (None: vLLM's own)."""
-    draft = str(CK / "draft")
+def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> list[dict]:
+    """Engine configurations: name, speculative_config, tree spec (None: vLLM's own).
+
+    ``eagle_dir`` / ``draft``: the EAGLE head (vLLM's format) and draft LM of the target;
+    None drops every configuration that needs them (a pretrained model without a draft
+    keeps plain decoding, vLLM's ``ngram`` / ``suffix`` and the plugin's n-gram trie)."""
     out = [{"name": "vllm plain", "spec": None, "tree": None, "method": None, "budget": 0}]
-    builtins = [
-        ("ngram", {"prompt_lookup_max": 4}),
-        ("draft_model", {"model": draft}),
-        ("eagle", {"model": eagle_dir}),
-    ]
+    builtins = [("ngram", {"prompt_lookup_max": 4})]
+    if draft is not None:
+        builtins.append(("draft_model", {"model": draft}))
+    if eagle_dir is not None:
+        builtins.append(("eagle", {"model": eagle_dir}))
     # SuffixDecoding (k: its most tokens a step; tree depth etc. at vLLM's defaults)
     if importlib.util.find_spec("arctic_inference") is None:
         print("skipping vllm suffix: arctic_inference is not installed (scripts/setup_suffix)")
@@ -88,6 +95,8 @@ def configs(quick: bool, eagle_dir: str) -> list[dict]:
     for method, model, tree, sampled, in_quick in trees:
         if quick and not in_quick:
             continue
+        if method != "ngram" and model is None:  # no such draft for this target
+            continue
         spec = {"method": method, "num_speculative_tokens": parse_tree_spec(tree).draft_budget}
         if model is not None:
             spec["model"] = model
@@ -103,10 +112,11 @@ def configs(quick: bool, eagle_dir: str) -> list[dict]:
         )
     # the same EAGLE chain with every draft level through tree attention (the plugin's
     # TREESPEC_DRAFT_ATTENTION=tree): what sending causal levels to vLLM's kernel saves
-    chain = next(c for c in out if c["name"] == "tree eagle chain:4 sampled drafts")
-    out.append(
-        {**chain, "name": f"{chain['name']}, draft tree attention", "draft_attention": "tree"}
-    )
+    chain = next((c for c in out if c["name"] == "tree eagle chain:4 sampled drafts"), None)
+    if chain is not None:
+        out.append(
+            {**chain, "name": f"{chain['name']}, draft tree attention", "draft_attention": "tree"}
+        )
     return out
 
 
@@ -117,14 +127,43 @@ def held_out(n: int, length: int) -> list[list[int]]:
     return held_out_prompts(load_tokenizer(CK / "tokenizer"), n, length)
 
 
-def start_engine(cfg: dict):
+def model_setup(model: str, n: int, prompt_tokens: int, eager: bool | None) -> dict:
+    """The target of a run by name or directory: the ``LLM`` arguments of every engine,
+    the prompts, and the draft / EAGLE head it has (a model set such as ``stdlib-v1``:
+    both; a pretrained model directory such as ``smollm2-135m``: neither). A model set's
+    prompts are held-out standard-library windows of ``prompt_tokens``; a pretrained
+    model's are the held-out code and chat prompts (``tree_dev.models.prompts``).
+    ``eager`` None: compiled for the toy, eager for a real model (compiled start-up is
+    minutes per engine on a 30-layer model here)."""
+    from tree_dev.models.named import resolve_model
+
+    path = resolve_model(model)
+    if (path / "target").is_dir():  # a model set: target, draft LM, EAGLE head
+        from tree_dev.models.export_vllm import export_eagle_for_vllm
+
+        return {
+            "llm": {"model": str(path / "target"), "enforce_eager": bool(eager)},
+            "prompts": held_out(n, prompt_tokens),
+            "draft": str(path / "draft"),
+            "eagle": str(export_eagle_for_vllm(head_dir=path / "eagle")),
+        }
+    from transformers import AutoTokenizer
+
+    from tree_dev.models.prompts import heldout_prompt_ids
+
+    prompts = heldout_prompt_ids(AutoTokenizer.from_pretrained(path), n)
+    eager = True if eager is None else eager
+    return {"llm": {"model": str(path), "enforce_eager": eager}, "prompts": prompts}
+
+
+def start_engine(cfg: dict, llm_kw: dict | None = None, warm_prompts=None):
     """One warmed ``LLM`` of a configuration and its start-up seconds."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     env = {"TREESPEC_DRAFT_ATTENTION": "tree"} if cfg.get("draft_attention") == "tree" else None
-    llm, startup = bench_llm(cfg, env)
-    warm = [TokensPrompt(prompt_token_ids=p) for p in held_out(2, 32)]
+    llm, startup = bench_llm(cfg, env, **(llm_kw or {}))
+    warm = [TokensPrompt(prompt_token_ids=p) for p in (warm_prompts or held_out(2, 32))[:2]]
     llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     return llm, startup
 
@@ -155,13 +194,18 @@ def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, tem
 
 
 def run_engine(
-    cfg: dict, prompts: list[list[int]], max_tokens: int, plain=None, reps: int = 1
+    cfg: dict,
+    prompts: list[list[int]],
+    max_tokens: int,
+    plain=None,
+    reps: int = 1,
+    llm_kw: dict | None = None,
 ) -> dict:
     """Start one engine and time every scenario ``reps`` times, each time side by side
     with the resident vLLM ``plain`` engine (the two in turns, the order alternating):
     ``ratio_to_vllm_plain`` is the median of those same-moment ratios, so the machine's
     drift over a long run does not enter it. Without ``plain``: this engine alone."""
-    llm, startup = start_engine(cfg)
+    llm, startup = start_engine(cfg, llm_kw, prompts)
     res = {
         "name": cfg["name"],
         "method": cfg["method"],
@@ -264,6 +308,18 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--model",
+        default="stdlib-v1",
+        help="a model name (stdlib-v1: the committed toy set with its draft LM and EAGLE "
+        "head; smollm2-135m: SmolLM2-135M-Instruct, no draft) or a directory",
+    )
+    ap.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM eager mode (default: compiled for the toy, eager for a real model)",
+    )
     ap.add_argument("--prompts", type=int, default=None, help="held-out prompts (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -282,20 +338,20 @@ def main() -> None:
     from tqdm import tqdm
 
     from bench.io import atomic_write_json
-    from tree_dev.models.export_vllm import export_eagle_for_vllm
 
     n = args.prompts or (4 if args.quick else 8)
-    prompts = held_out(n, args.prompt_tokens)
-    grid = configs(args.quick, str(export_eagle_for_vllm()))
+    setup = model_setup(args.model, n, args.prompt_tokens, args.eager)
+    prompts, llm_kw = setup["prompts"], setup["llm"]
+    grid = configs(args.quick, setup.get("eagle"), setup.get("draft"))
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
     # vLLM plain stays up: every other engine is timed in turns with it
-    results = [run_engine(grid[0], prompts, args.max_tokens, reps=args.reps)]
-    plain, _ = start_engine(grid[0])
+    results = [run_engine(grid[0], prompts, args.max_tokens, reps=args.reps, llm_kw=llm_kw)]
+    plain, _ = start_engine(grid[0], llm_kw, prompts)
     try:
         for cfg in tqdm(grid[1:], desc="engines"):
-            results.append(run_engine(cfg, prompts, args.max_tokens, plain, args.reps))
+            results.append(run_engine(cfg, prompts, args.max_tokens, plain, args.reps, llm_kw))
     finally:
         shutdown_engine(plain)
     summary = {}
@@ -342,6 +398,8 @@ def main() -> None:
     if out.is_dir() or args.out.endswith("/"):  # a folder: the default file name in it
         out = out / "vllm_e2e.json"
     doc = {
+        "model": args.model,
+        "enforce_eager": llm_kw["enforce_eager"],
         "prompts": n,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,

@@ -6,6 +6,8 @@ tree spec string (``tree_dev.spec``) and a drafter, applies the defaults of the 
 engine (``--engine local|vllm``) and checks everything before any model is loaded:
 contradictory flags, a bad tree, or ``--max-model-len`` above the model's
 ``max_position_embeddings`` exit with status 2 (argparse) naming the flags / numbers.
+``--model`` takes a directory or a model name of ``tree_dev.models.named``
+(``stdlib-v1``, ``smollm2-135m``: fetched on first use), resolved here for both engines.
 ``vllm_argv(cfg)`` is the command line of vLLM's own OpenAI server for a config.
 """
 
@@ -45,6 +47,11 @@ DEFAULT_TREE = "topk:k=2,depth=8,budget=8,temp=0.3"
 VLLM_DEFAULT_POLICY = ("ngram", "ngram:budget=8")
 #: The tree given a vLLM draft model or EAGLE head without a tree flag: their chain of 4.
 VLLM_DEFAULT_DRAFT_TREE = "chain:4"
+#: The tree of a plain checkpoint directory (a pretrained model such as ``smollm2-135m``:
+#: no draft model, no EAGLE head) given no tree or draft flag, in both engines: the
+#: n-gram trie, which drafts from the text itself (the best measured policy of vLLM on
+#: the committed set, ``VLLM_DEFAULT_POLICY``).
+PLAIN_MODEL_DEFAULT_TREE = VLLM_DEFAULT_POLICY[1]
 #: vLLM speculative methods -> the drafter kind they use.
 VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle", "draft_model": "draft", "ngram": "ngram"}
 #: drafter kind -> the vLLM method that runs it.
@@ -147,14 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
-        type=Path,
-        help="target checkpoint directory, or a model set directory with target/, eagle/, "
-        f"draft/, tokenizer/ (default: {DEFAULT_MODEL_SET.relative_to(REPO)})",
+        help="a model name (stdlib-v1: the committed toy set; smollm2-135m: SmolLM2-135M-"
+        "Instruct, fetched on first use), a target checkpoint directory, or a model set "
+        "directory with target/, eagle/, draft/, tokenizer/ "
+        f"(default: {DEFAULT_MODEL_SET.relative_to(REPO)})",
     )
     g.add_argument("--draft-model", type=Path, help="a small causal LM as the draft")
     g.add_argument("--eagle-head", type=Path, help="an EAGLE head as the draft")
     g.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: found)")
-    g.add_argument("--served-model-name", help="model id in the API (default: the model dir)")
+    g.add_argument(
+        "--served-model-name",
+        help="model id in the API (default: the model name, else the model (set) dir's name)",
+    )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="local: cpu, cuda, cuda:1 ... (auto: cuda)")
     t = p.add_argument_group("tree policy")
@@ -481,6 +492,24 @@ def _sglang_flags(a: argparse.Namespace) -> tuple[str | None, tuple[str, Path | 
     return f"topk:k={topk},depth={steps},budget={budget}", drafter, flags[0]
 
 
+def resolve_model_flag(
+    parser: argparse.ArgumentParser, model: str | None
+) -> tuple[Path, str | None]:
+    """``--model`` -> ``(directory, its name or None)``: a name of
+    ``tree_dev.models.named`` (fetched on first use) or an existing directory; none
+    given: ``DEFAULT_MODEL_SET``. Anything else exits with status 2 naming the known
+    names."""
+    from tree_dev.models.named import FetchError, is_named, resolve_model
+
+    if model is None:
+        return DEFAULT_MODEL_SET, None
+    try:
+        path = resolve_model(model)
+    except (ValueError, FileNotFoundError, FetchError) as e:
+        parser.error(f"argument --model: {e}")
+    return path, (model if is_named(model) else None)
+
+
 def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         i = argv.index("--")
@@ -581,7 +610,7 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
     if a.max_batch < 1 or (a.max_model_len is not None and a.max_model_len < 2):
         parser.error("argument --max-batch/--max-model-len: must be >= 1 / >= 2")
 
-    model = a.model if a.model is not None else DEFAULT_MODEL_SET
+    model, model_name = resolve_model_flag(parser, a.model)
     tokenizer = a.tokenizer
     drafter = next(iter(drafters.values()), None)
     drafter_flag = next(iter(drafters), None)
@@ -608,6 +637,10 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
                 )
             drafter = ("draft", model / "draft") if use_draft else ("eagle", model / "eagle")
         model = model / "target"
+    elif tree is None and drafter is None and (model / "config.json").is_file():
+        # a plain checkpoint (a pretrained model): no draft, so the n-gram trie
+        tree, source = PLAIN_MODEL_DEFAULT_TREE, "default for a model without a draft"
+        drafter = ("ngram", None)
     if tree is None:
         if drafter is None:
             tree, source = "none", "no draft given"
@@ -660,7 +693,7 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
             )
     if max_len is None:
         max_len = 1024
-    name = a.served_model_name
+    name = a.served_model_name or model_name
     if name is None:
         name = model.parent.name if model.name == "target" else model.name
     return ServeConfig(

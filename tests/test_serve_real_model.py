@@ -1,0 +1,145 @@
+"""``serve.py --model smollm2-135m``: the real pretrained model served by name, both engines.
+
+``--model NAME`` resolves through ``tree_dev.models.named`` (SmolLM2-135M-Instruct is
+fetched into ``$TREESPEC_CACHE`` on first use: the ``smollm2_dir`` fixture of
+conftest.py). A plain HF directory has no draft model and no EAGLE head, so the default
+tree is the n-gram trie in both engines. The end-to-end tests start one server at a time
+(``serve.py`` in a subprocess, eager vLLM, 512 tokens of context) and ask it one
+greedy chat question through the ``openai`` client; the reply must name Paris, and the
+prompt must be the model's own ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_serve_vllm import _free_port
+from tree_dev.models.named import NAMED_MODELS
+from tree_dev.server import config
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "smollm2-135m"
+QUESTION = "What is the capital of France?"
+ENGINES = [
+    "local",
+    pytest.param(
+        "vllm",
+        marks=pytest.mark.skipif(not config.vllm_installed(), reason="vLLM is not installed"),
+    ),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_measured_policies(tmp_path_factory, monkeypatch):
+    """The built-in default policies, not this checkout's results/ reports."""
+    empty = tmp_path_factory.mktemp("no_results")
+    monkeypatch.setattr(config, "E2E_REPORT", empty / "e2e.json")
+    monkeypatch.setattr(config, "VLLM_E2E_REPORT", empty / "vllm_e2e.json")
+
+
+# --------------------------------------------------------------------------- config
+@pytest.mark.parametrize("engine", ENGINES)
+def test_name_resolves_to_the_fetched_dir_with_the_ngram_trie(engine, smollm2_dir):
+    c = config.resolve_config(["--engine", engine, "--model", NAME])
+    assert c.model == smollm2_dir and (c.model / "config.json").is_file()
+    assert c.served_model_name == NAME and c.max_model_len == 8192
+    # no draft, no EAGLE head: the n-gram trie, which needs no model
+    assert (c.tree, c.drafter, c.drafter_path) == ("ngram:budget=8", "ngram", None)
+    assert c.tree_source == "default for a model without a draft"
+    # the same directory by path: the same policy, named after the directory
+    by_path = config.resolve_config(["--engine", engine, "--model", str(smollm2_dir)])
+    assert (by_path.model, by_path.tree, by_path.drafter) == (c.model, c.tree, c.drafter)
+    # plain decoding when asked; a tree that needs a draft is still an error
+    plain = config.resolve_config(["--engine", engine, "--model", NAME, "--tree", "none"])
+    assert (plain.tree, plain.drafter) == ("none", None)
+    if engine == "vllm":  # its own tokenizer and ChatML template, vLLM's n-gram proposer
+        argv = config.vllm_argv(c)
+        assert argv[argv.index("--model") + 1] == str(smollm2_dir)
+        assert "--tokenizer" not in argv and "--chat-template" not in argv
+        assert argv[argv.index("--served-model-name") + 1] == NAME
+        assert config.vllm_speculative_config(c) == {"method": "ngram", "num_speculative_tokens": 8}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stdlib_name_is_the_committed_set(engine):
+    by_name = config.resolve_config(["--engine", engine, "--model", "stdlib-v1"])
+    assert by_name == config.resolve_config(["--engine", engine])
+    assert by_name.served_model_name == "stdlib-v1"
+
+
+def test_unknown_model_name_is_a_startup_error_naming_the_known(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        config.resolve_config(["--engine", "local", "--model", "llama-9000"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "llama-9000" in err
+    assert all(name in err for name in NAMED_MODELS), err
+
+
+# --------------------------------------------------------------------------- end to end
+@contextlib.contextmanager
+def _serve(engine: str, log: Path, *flags: str, timeout_s: float):
+    """``python serve.py --engine ENGINE --model smollm2-135m ...`` on a free port; yields
+    its base URL once ``/health`` answers (the pattern of test_serve_vllm.serve_vllm)."""
+    port = _free_port()
+    argv = [sys.executable, str(ROOT / "serve.py"), "--engine", engine, "--port", str(port)]
+    argv += ["--model", NAME, "--max-model-len", "512", "--max-batch", "2", *flags]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while True:
+            assert proc.poll() is None, f"serve.py exited:\n{log.read_text()[-4000:]}"
+            assert time.time() < deadline, f"no /health in {timeout_s}s:\n{log.read_text()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ask_paris(base: str, model_dir: Path) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    card = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]
+    assert card["id"] == NAME and card["treespec"]["tree"] == "ngram:budget=8", card
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": QUESTION}]
+    r = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=16)
+    reply = r.choices[0].message.content
+    assert "Paris" in reply, reply
+    # the prompt is the model's own ChatML template, not the plain fallback
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n"), text
+    assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+
+
+def test_local_engine_answers_a_chat_question(smollm2_dir, tmp_path):
+    with _serve("local", tmp_path / "server.log", "--torch-threads", "2", timeout_s=240) as base:
+        _ask_paris(base, smollm2_dir)
+
+
+def test_vllm_engine_answers_a_chat_question(smollm2_dir, tmp_path):
+    pytest.importorskip("vllm")
+    log = tmp_path / "server.log"
+    with _serve("vllm", log, "--enforce-eager", "--log-level", "warning", timeout_s=420) as base:
+        _ask_paris(base, smollm2_dir)
