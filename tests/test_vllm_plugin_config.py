@@ -27,6 +27,18 @@ def test_valid_configs_parse():
     assert config.parse(sampled, spec("eagle", 5)).draft_sampling
 
 
+def test_trie_takes_vllms_prompt_lookup_range_unless_the_spec_gives_one():
+    sc = SimpleNamespace(
+        method="ngram", num_speculative_tokens=8, prompt_lookup_min=2, prompt_lookup_max=4
+    )
+    got = config.parse({"tree": "ngram:budget=8"}, sc).policy
+    assert (got.min_n, got.max_n) == (2, 4)  # vLLM's fields, as its own ngram uses them
+    mine = config.parse({"tree": "ngram:budget=8,min=1,max=3"}, sc).policy
+    assert (mine.min_n, mine.max_n) == (1, 3)  # the spec's own range wins
+    bare = config.parse({"tree": "ngram:budget=8"}, spec("ngram", 8)).policy
+    assert (bare.min_n, bare.max_n) == (1, 3)  # no range in either: the trie's default
+
+
 @pytest.mark.parametrize(
     "section, sc, needle",
     [

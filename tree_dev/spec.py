@@ -12,6 +12,9 @@
   the continuations (``depth`` tokens each, default ``budget``) of the ``matches``
   best n-gram matches (``min <= n <= max`` tokens) of the context's suffix in the
   prompt + output, at most ``budget`` draft nodes (``tree_dev.proposer.ngram_trie``).
+  Inside vLLM, a spec without ``min``/``max`` takes vLLM's own ``prompt_lookup_min`` /
+  ``prompt_lookup_max`` from the speculative config (vLLM fills in 5 / 5 when neither
+  is given), so the same fields mean the same n-gram range as vLLM's ``ngram``.
 - ``hybrid:k=2,depth=6,budget=16[,temp=T][,ngram=N,min=,max=,matches=,ndepth=][,p=0.8]``:
   the draft's top-K tree (``k``, ``depth``, ``temp`` as for ``topk``) and the n-gram
   trie (``ngram`` nodes, default ``budget``; ``min``/``max``/``matches`` as for
@@ -82,6 +85,7 @@ class NgramPolicy:
     max_n: int = 3
     matches: int = 8
     depth: int = 0  # 0: the budget
+    range_given: bool = False  # min= or max= in the spec: vLLM's prompt_lookup_* do not apply
 
     def __post_init__(self) -> None:
         if self.depth == 0:
@@ -166,7 +170,10 @@ def _parse_ngram(spec: str, arg: str) -> NgramPolicy:
     lo, hi = f.get("min", 1), f.get("max", max(3, f.get("min", 1)))
     if lo > hi:
         raise ValueError(f"field min= ({lo}) exceeds max= ({hi}) in {spec!r}")
-    return NgramPolicy(f["budget"], spec, lo, hi, f.get("matches", 8), f.get("depth", f["budget"]))
+    given = "min" in f or "max" in f
+    return NgramPolicy(
+        f["budget"], spec, lo, hi, f.get("matches", 8), f.get("depth", f["budget"]), given
+    )
 
 
 def _parse_hybrid(spec: str, arg: str) -> HybridPolicy:

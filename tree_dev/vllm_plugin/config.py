@@ -145,6 +145,8 @@ def parse(
             f"method {method!r}: ngram:... trees go with method 'ngram', model trees "
             "(topk/chain/paths/medusa) with 'draft_model' or 'eagle'"
         )
+    if is_ngram(policy) and not policy.range_given:
+        policy = _with_lookup_range(policy, speculative_config)
     budget = draft_budget(policy)
     n = getattr(speculative_config, "num_speculative_tokens", None)
     if n != budget:
@@ -198,6 +200,22 @@ def parse(
             f"{method!r}: pruning a sampled dynamic tree would bias the output"
         )
     return TreeConfig(spec, policy, method, budget, backend, debug, record, sampling)
+
+
+def _with_lookup_range(policy: Policy, speculative_config: Any) -> Policy:
+    """An ``ngram:`` trie without ``min=``/``max=`` takes vLLM's ``prompt_lookup_min`` /
+    ``prompt_lookup_max`` (the n-gram range of vLLM's own ``ngram`` method)."""
+    import dataclasses
+
+    lo = getattr(speculative_config, "prompt_lookup_min", None)
+    hi = getattr(speculative_config, "prompt_lookup_max", None)
+    if not lo or not hi:
+        return policy
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config prompt_lookup_min = {lo} exceeds prompt_lookup_max = {hi}"
+        )
+    return dataclasses.replace(policy, min_n=int(lo), max_n=int(hi), range_given=True)
 
 
 def _device(device: str):

@@ -1,0 +1,146 @@
+"""The n-gram trie replayed on recorded greedy outputs: tau per policy, no model needed.
+
+Greedy tree decoding is lossless, so the text a trie policy decodes is the target's plain
+greedy output, and how many tokens each step accepts follows from that text alone: at
+output position ``t`` the trie is built from ``prompt + output[:t]``, the step accepts
+the longest root-to-leaf path that matches ``output[t:]`` plus one bonus token. This
+replays every policy on the same recorded outputs in seconds, so n-gram ranges, budgets
+and ranking rules are compared on exactly the same text (the speed a tree of that size
+costs is the end-to-end benchmarks' business).
+
+    python -m bench.trie_replay --model smollm2-135m [--prompts 50] [--max-tokens 128]
+        [--policies "ngram:budget=8;ngram:budget=8,min=5,max=5"]
+
+The greedy outputs come from vLLM's plain decoding (eager; or HF ``generate`` with
+``--hf``), recorded once per model / prompts / length in ``results/greedy_<model>.json``
+and reused. Writes ``results/trie_replay.json`` and prints tau per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tree_dev.spec import NgramPolicy, parse_tree_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_POLICIES = (
+    "ngram:budget=8",
+    "ngram:budget=8,min=2,max=4",
+    "ngram:budget=8,min=4,max=4",
+    "ngram:budget=8,min=5,max=5",
+    "ngram:budget=16",
+    "ngram:budget=16,min=2,max=4",
+)
+
+
+def accepted_length(parents: tuple[int, ...], tokens: list[int], truth: list[int]) -> int:
+    """Draft tokens a greedy walk accepts: the deepest node whose path from the root
+    spells a prefix of ``truth`` (the target's next tokens)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i)
+    node, depth = 0, 0
+    while depth < len(truth):
+        nxt = next((c for c in children.get(node, ()) if tokens[c] == truth[depth]), None)
+        if nxt is None:
+            break
+        node, depth = nxt, depth + 1
+    return depth
+
+
+def replay(policy: NgramPolicy, prompt: list[int], output: list[int]) -> dict:
+    """Steps, accepted drafts per depth and tau of one greedy request under ``policy``."""
+    from tree_dev.proposer import ngram_trie
+
+    ctx = list(prompt)
+    t, steps, per_depth = 0, 0, [0] * (policy.depth + 1)
+    while t < len(output):
+        tree, toks = ngram_trie(ctx, policy)
+        n = accepted_length(tuple(tree.parents.tolist()), toks, output[t:])
+        for d in range(1, n + 1):
+            per_depth[d] += 1
+        step = min(n + 1, len(output) - t)  # the accepted drafts and the bonus token
+        ctx.extend(output[t : t + step])
+        t += step
+        steps += 1
+    return {"steps": steps, "tokens": len(output), "accepted_per_depth": per_depth}
+
+
+def record_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, hf: bool):
+    """The target's plain greedy outputs (vLLM eager, or HF ``generate``)."""
+    if hf:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            with torch.inference_mode():
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                    do_sample=False, eos_token_id=None, pad_token_id=0,
+                )  # fmt: skip
+            outs.append(out[0, len(p) :].tolist())
+        return outs
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tree_dev.testing import shutdown_engine
+
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=1024, enforce_eager=True)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        got = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        return [list(o.outputs[0].token_ids) for o in got]
+    finally:
+        shutdown_engine(llm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a model name or directory")
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--policies", default=";".join(DEFAULT_POLICIES), help="';'-separated")
+    ap.add_argument("--hf", action="store_true", help="record with HF generate, not vLLM")
+    ap.add_argument("--out", default=str(ROOT / "results" / "trie_replay.json"))
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from bench.io import atomic_write_json
+    from tree_dev.models.named import resolve_model
+    from tree_dev.models.prompts import heldout_prompt_ids
+
+    model_dir = resolve_model(args.model)
+    policies = [parse_tree_spec(s.strip()) for s in args.policies.split(";") if s.strip()]
+    bad = [p.spec for p in policies if not isinstance(p, NgramPolicy)]
+    if bad:
+        raise SystemExit(f"--policies: not n-gram tries: {bad}")
+    prompts = heldout_prompt_ids(AutoTokenizer.from_pretrained(model_dir), args.prompts)
+    cache = ROOT / "results" / f"greedy_{model_dir.name}_{args.prompts}x{args.max_tokens}.json"
+    if cache.is_file() and json.loads(cache.read_text())["prompts"] == prompts:
+        outputs = json.loads(cache.read_text())["outputs"]
+    else:
+        outputs = record_greedy(model_dir, prompts, args.max_tokens, args.hf)
+        atomic_write_json(cache, {"prompts": prompts, "outputs": outputs})
+    rows = []
+    for pol in policies:
+        runs = [replay(pol, p, o) for p, o in zip(prompts, outputs)]
+        steps = sum(r["steps"] for r in runs)
+        tokens = sum(r["tokens"] for r in runs)
+        per = [sum(r["accepted_per_depth"][d] for r in runs) / steps for d in range(1, 5)]
+        rows.append({"policy": pol.spec, "tau": tokens / steps, "acceptance_per_depth": per})
+        print(f"{pol.spec:40s} tau {tokens / steps:5.2f}  per depth {[round(x, 2) for x in per]}")
+    atomic_write_json(
+        Path(args.out),
+        {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "rows": rows},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
