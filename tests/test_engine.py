@@ -26,6 +26,7 @@ POLICIES = [
     "topk:k=2,depth=5,budget=8,temp=0.4",
     "ngram:budget=8",
     "ngram:budget=6,min=2,matches=2",
+    "ngram:budget=8,history=256",
     "hybrid:k=2,depth=3,budget=10,ngram=6",
     "hybrid:k=3,depth=2,budget=6,temp=0.4,p=0.2",
 ]

@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 from tests.factories import tiny_llama
 from tree_dev.engine import Engine, SamplingParams
-from tree_dev.proposer import TreeExpansion, expansion_for, ngram_matches, ngram_trie
+from tree_dev.proposer import (
+    SEPARATOR,
+    NgramHistory,
+    TreeExpansion,
+    expansion_for,
+    ngram_matches,
+    ngram_trie,
+)
 from tree_dev.spec import parse_tree_spec
 
 VOCAB = 16
@@ -431,3 +438,34 @@ def test_hybrid_tree_is_a_budgeted_merge_of_the_topk_tree_and_the_trie(salt, con
         allowed.add((context[-1], *reversed(toks)))
     for i in range(tree.num_nodes):
         assert tuple(tokens[a] for a in tree.path_to(i)) in allowed
+
+
+def test_ngram_history_is_bounded_and_separated():
+    h = NgramHistory(5)
+    h.add([1, 2, 3])
+    h.add([4, 5, 6])  # 6 tokens > 5: the oldest request goes
+    assert h.tokens() == [SEPARATOR, 4, 5, 6] and len(h) == 3
+    h.add(list(range(10, 20)))  # a long one keeps its last 5
+    assert h.tokens() == [SEPARATOR, 15, 16, 17, 18, 19]
+    off = NgramHistory(0)
+    off.add([1, 2])
+    assert off.tokens() == [] and len(off) == 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        NgramHistory(-1)
+
+
+def test_ngram_trie_searches_earlier_requests_after_its_own_context():
+    pol = parse_tree_spec("ngram:budget=8,depth=4")
+    h = NgramHistory(100)
+    h.add([5, 1, 2, 3])
+    h.add([9, 9])
+    # the context has no earlier 1: the history's 1 -> 2 3, cut at the end of its stream
+    tree, toks = ngram_trie([7, 1], pol, h)
+    assert tree.parents.tolist() == [-1, 0, 1] and toks == [1, 2, 3]
+    assert ngram_trie([7, 1], pol)[1] == [1]  # without the history: the root alone
+    # equal lengths: the request's own (most recent) continuation ranks first
+    one = parse_tree_spec("ngram:budget=1,depth=1")
+    assert ngram_trie([1, 4, 1], one, h)[1] == [1, 4]
+    assert ngram_trie([5, 1, 4, 0, 5, 1], one, h)[1] == [1, 4]  # '5 1' in both: own first
+    # a longer match in the history outranks a shorter one of the context
+    assert ngram_trie([8, 1, 4, 5, 1], one, h)[1] == [1, 2]  # '5 1' there, only '1' here

@@ -16,7 +16,7 @@ from tree_dev.engine import Engine, SamplingParams
 from tree_dev.models.prompts import heldout_prompt_ids
 
 MAX_TOKENS = 24
-TRIES = ["ngram:budget=8", "ngram:budget=6,min=2,matches=2"]
+TRIES = ["ngram:budget=8", "ngram:budget=8,history=4096"]
 
 
 @pytest.fixture(scope="module")

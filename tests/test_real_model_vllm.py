@@ -66,7 +66,8 @@ def llm(smollm2_dir, plain):  # after the plain engine: one engine at a time
     engine = _llm(
         smollm2_dir,
         speculative_config={"method": "ngram", "num_speculative_tokens": 8},
-        additional_config={"treespec": {"tree": "ngram:budget=8"}},
+        # with earlier requests' tokens searched too: the cross-request path is proven
+        additional_config={"treespec": {"tree": "ngram:budget=8,history=4096"}},
     )
     yield engine
     shutdown(engine)

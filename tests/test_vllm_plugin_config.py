@@ -37,6 +37,14 @@ def test_trie_takes_vllms_prompt_lookup_range_unless_the_spec_gives_one():
     assert (mine.min_n, mine.max_n) == (1, 3)  # the spec's own range wins
     bare = config.parse({"tree": "ngram:budget=8"}, spec("ngram", 8)).policy
     assert (bare.min_n, bare.max_n) == (1, 3)  # no range in either: the trie's default
+    filled = SimpleNamespace(**{**vars(sc), "prompt_lookup_min": 5, "prompt_lookup_max": 5})
+    got = config.parse({"tree": "ngram:budget=8"}, filled).policy
+    assert (got.min_n, got.max_n) == (1, 3)  # vLLM's fill-in when neither is given
+    five = config.parse({"tree": "ngram:budget=8,min=5,max=5"}, filled).policy
+    assert (five.min_n, five.max_n) == (5, 5)
+    bad = SimpleNamespace(**{**vars(sc), "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_min = 4 exceeds"):
+        config.parse({"tree": "ngram:budget=8"}, bad)
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,7 @@ from tree_dev.kv_cache import PagedKVCache
 from tree_dev.lean_forward import lean_supported, llama_forward
 from tree_dev.narrow_linear import narrow_available, use_narrow_linears
 from tree_dev.onednn_linear import onednn_faster, use_onednn_linears
-from tree_dev.proposer import expansion_for, ngram_trie, tree_of
+from tree_dev.proposer import NgramHistory, expansion_for, ngram_trie, tree_of
 from tree_dev.spec import (
     HybridPolicy,
     NgramPolicy,
@@ -443,6 +443,8 @@ class Engine:
         tree_kernel: bool = False,
     ):
         self.policy: Policy = parse_tree_spec(tree)
+        # finished requests' tokens, searched by an ngram:...,history=H trie
+        self.ngram_history = NgramHistory(getattr(self.policy, "history", 0))
         if draft_sampling and not isinstance(self.policy, StaticPolicy):
             raise ValueError(
                 f"draft_sampling needs a static tree (chain/paths/medusa), not {tree!r}: pruning "
@@ -626,6 +628,8 @@ class Engine:
         self.timings["prefill"] += time.perf_counter() - t0
 
     def _release(self, req: Request) -> None:
+        if req.finish_reason in ("stop", "length"):
+            self.ngram_history.add(req.prompt + req.output)
         if req in self.running:
             self.running.remove(req)
         self.runner.cache.free(req.req_id)
@@ -637,7 +641,8 @@ class Engine:
         if isinstance(self.policy, NoDraftPolicy):
             return [Proposal(_ROOT_ONLY, [r.root]) for r in batch]
         if isinstance(self.policy, NgramPolicy):
-            return [Proposal(*ngram_trie(r.prompt + r.output, self.policy)) for r in batch]
+            hist = self.ngram_history
+            return [Proposal(*ngram_trie(r.prompt + r.output, self.policy, hist)) for r in batch]
         dr = self.draft_runner
         # 1. long catch-ups (a new prompt) are prefilled in chunks; short ones (the
         #    last step's accepted tokens) ride along as the trunk of the first level

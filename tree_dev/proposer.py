@@ -263,6 +263,9 @@ def tree_of(parents: tuple[int, ...]) -> TokenTree:
 
 
 # --------------------------------------------------------------------------- n-gram trie
+SEPARATOR = -1  # between the streams of an ``NgramHistory``: matches nothing, ends a path
+
+
 def ngram_matches(context: Sequence[int], policy: NgramPolicy) -> list[tuple[int, int]]:
     """The n-gram matches of the context's suffix, best first.
 
@@ -270,42 +273,97 @@ def ngram_matches(context: Sequence[int], policy: NgramPolicy) -> list[tuple[int
     equal the context's last ``n`` tokens, for some ``policy.min_n <= n <=
     policy.max_n``; its length is the largest such ``n``. Ranked by match length
     (longest first), then recency (latest ``j`` first); at most ``policy.matches``.
+    ``SEPARATOR`` entries match no token.
 
     Returns:
         ``[(j, n), ...]``: continuation start and match length.
     """
     arr = np.asarray(context, dtype=np.int64)
     L = arr.shape[0]
-    best: dict[int, int] = {}
-    if L >= 2 and policy.max_n >= 1:
-        ctx = arr.tolist()
-        # a match ends at e <= L - 2 with ctx[e] == the last token; its length is how far
-        # ctx[..e] and ctx[..L-1] agree backwards, capped at max_n (and at e + 1)
-        for e in np.nonzero(arr[: L - 1] == arr[L - 1])[0].tolist():
-            n, cap = 1, min(policy.max_n, e + 1)
-            while n < cap and ctx[e - n] == ctx[L - 1 - n]:
-                n += 1
-            if n >= policy.min_n:
-                best[e + 1] = n
-    ranked = sorted(best.items(), key=lambda jn: (-jn[1], -jn[0]))
+    if L < 2 or policy.max_n < 1:
+        return []
+    # a match ends at e <= L - 2 with arr[e] == the last token; its length is how far
+    # arr[..e] and arr[..L-1] agree backwards, capped at max_n (and at e + 1)
+    ends = np.nonzero(arr[: L - 1] == arr[L - 1])[0]
+    if arr[L - 1] == SEPARATOR or ends.size == 0:
+        return []
+    length = np.ones(ends.shape, dtype=np.int64)
+    alive = np.ones(ends.shape, dtype=bool)
+    for k in range(1, min(policy.max_n, L - 1)):
+        back = ends - k
+        alive &= back >= 0
+        alive &= arr[np.maximum(back, 0)] == arr[L - 1 - k]
+        if not alive.any():
+            break
+        length += alive
+    keep = length >= policy.min_n
+    starts, length = (ends[keep] + 1).tolist(), length[keep].tolist()
+    ranked = sorted(zip(starts, length), key=lambda jn: (-jn[1], -jn[0]))
     return ranked[: policy.matches]
 
 
-def ngram_trie(context: Sequence[int], policy: NgramPolicy) -> tuple[TokenTree, list[int]]:
+class NgramHistory:
+    """Earlier requests' tokens (prompt + output) of one engine, searched by the n-gram
+    trie after the request's own context (SuffixDecoding's idea: a server's outputs
+    repeat across requests). Bounded: at most ``max_tokens``, the oldest requests
+    dropped first. ``policy.history`` sets the bound; 0 keeps nothing.
+
+        >>> h = NgramHistory(8)
+        >>> h.add([1, 2, 3]); h.add([4, 5, 6, 7, 8])
+        >>> h.tokens()
+        [-1, 1, 2, 3, -1, 4, 5, 6, 7, 8]
+    """
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 0:
+            raise ValueError(f"NgramHistory: max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._streams: list[list[int]] = []
+        self._size = 0
+        self._flat: list[int] | None = []
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Remember a finished request's tokens (its last ``max_tokens`` at most)."""
+        if self.max_tokens == 0 or not tokens:
+            return
+        stream = [int(t) for t in tokens[-self.max_tokens :]]
+        self._streams.append(stream)
+        self._size += len(stream)
+        while self._size > self.max_tokens:
+            self._size -= len(self._streams.pop(0))
+        self._flat = None
+
+    def tokens(self) -> list[int]:
+        """The remembered streams, oldest first, each after a ``SEPARATOR``."""
+        if self._flat is None:
+            self._flat = [t for s in self._streams for t in (SEPARATOR, *s)]
+        return self._flat
+
+    def __len__(self) -> int:
+        return self._size
+
+
+def ngram_trie(
+    context: Sequence[int], policy: NgramPolicy, history: NgramHistory | None = None
+) -> tuple[TokenTree, list[int]]:
     """The trie of the continuations of the context suffix's best n-gram matches.
 
     Args:
         context: the committed tokens (prompt + output); ``context[-1]`` is the root.
-        policy: ``NgramPolicy`` (``ngram:budget=N[,min=,max=,matches=,depth=]``).
+        policy: ``NgramPolicy`` (``ngram:budget=N[,min=,max=,matches=,depth=,history=]``).
+        history: earlier requests' tokens (``NgramHistory``), searched too: matches in
+            them rank as matches of the request's own context do (by length, then
+            recency, the own context being the most recent); their continuations end
+            at the end of their stream.
 
     Each of the ``ngram_matches`` contributes its continuation
     ``context[j : j + depth]`` (cut at the end of the context) as a root-to-leaf
-    path; equal prefixes merge. Trie nodes are ranked by the number of chosen
-    continuations through them (more first), then the longest match among those,
-    then the best-ranked (most recent) one, then depth, then insertion order; the
-    best ``budget`` are kept. A child never outranks its parent (its continuations
-    are a subset of the parent's, its depth larger), so the kept nodes form a tree.
-    Deterministic: the same context gives the same trie.
+    path; equal prefixes merge. Trie nodes are ranked by the longest match through
+    them, then the number of chosen continuations through them (more first), then the
+    best-ranked (most recent) one, then depth, then insertion order; the best
+    ``budget`` are kept. A child never outranks its parent (the matches through it are
+    a subset of the parent's, its depth larger), so the kept nodes form a tree.
+    Deterministic: the same context and history give the same trie.
 
     Returns:
         ``tree`` (breadth-first, node 0 = root, at most ``budget`` draft nodes) and
@@ -316,12 +374,16 @@ def ngram_trie(context: Sequence[int], policy: NgramPolicy) -> tuple[TokenTree, 
     if len(context) == 0:
         raise ValueError("ngram_trie: empty context (the root token is its last element)")
     ctx = [int(t) for t in context]
+    if history is not None and len(history):
+        ctx = history.tokens() + [SEPARATOR] + ctx
     nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node (trie ids, 1-based)
     parent, token, depth = [-1], [ctx[-1]], [0]
     count, longest, rank = [0], [0], [0]
     for r, (j, n) in enumerate(ngram_matches(ctx, policy)):
         cur = 0
         for t in ctx[j : j + policy.depth]:
+            if t == SEPARATOR:
+                break
             nxt = nodes.get((cur, t))
             if nxt is None:
                 nxt = nodes[(cur, t)] = len(token)
@@ -334,7 +396,7 @@ def ngram_trie(context: Sequence[int], policy: NgramPolicy) -> tuple[TokenTree, 
             count[nxt] += 1
             cur = nxt
     ranked = sorted(
-        range(1, len(token)), key=lambda i: (-count[i], -longest[i], rank[i], depth[i], i)
+        range(1, len(token)), key=lambda i: (-longest[i], -count[i], rank[i], depth[i], i)
     )
     pos = {i: p for p, i in enumerate(ranked)}
     keep = sorted(ranked[: policy.budget], key=lambda i: (depth[i], pos[i]))

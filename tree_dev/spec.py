@@ -8,13 +8,17 @@
   style); ``temp`` sharpens (< 1) the draft's log-probabilities used to *rank*
   nodes, for a draft that is less confident than it is right. It only shapes
   the tree, so verification stays lossless.
-- ``ngram:budget=N[,min=1,max=3,matches=8,depth=N]``: no draft model; the trie of
+- ``ngram:budget=N[,min=1,max=3,matches=8,depth=N,history=H]``: no draft model; the trie of
   the continuations (``depth`` tokens each, default ``budget``) of the ``matches``
   best n-gram matches (``min <= n <= max`` tokens) of the context's suffix in the
   prompt + output, at most ``budget`` draft nodes (``tree_dev.proposer.ngram_trie``).
-  Inside vLLM, a spec without ``min``/``max`` takes vLLM's own ``prompt_lookup_min`` /
-  ``prompt_lookup_max`` from the speculative config (vLLM fills in 5 / 5 when neither
-  is given), so the same fields mean the same n-gram range as vLLM's ``ngram``.
+  Inside vLLM, a spec without ``min``/``max`` takes the ``prompt_lookup_min`` /
+  ``prompt_lookup_max`` the user set in the speculative config, so the same fields mean
+  the same n-gram range as for vLLM's ``ngram`` (vLLM's own fill-in when neither is
+  given, 5 / 5, reads as not given: ``vllm_plugin.config.VLLM_LOOKUP_FILL``).
+  ``history=H``: the last ``H`` tokens of the engine's earlier requests (prompt +
+  output) are searched too, as SuffixDecoding reuses a server's earlier outputs
+  (``tree_dev.proposer.NgramHistory``; default 0: each request on its own).
 - ``hybrid:k=2,depth=6,budget=16[,temp=T][,ngram=N,min=,max=,matches=,ndepth=][,p=0.8]``:
   the draft's top-K tree (``k``, ``depth``, ``temp`` as for ``topk``) and the n-gram
   trie (``ngram`` nodes, default ``budget``; ``min``/``max``/``matches`` as for
@@ -86,6 +90,7 @@ class NgramPolicy:
     matches: int = 8
     depth: int = 0  # 0: the budget
     range_given: bool = False  # min= or max= in the spec: vLLM's prompt_lookup_* do not apply
+    history: int = 0  # tokens of earlier requests searched too (NgramHistory); 0: none
 
     def __post_init__(self) -> None:
         if self.depth == 0:
@@ -164,15 +169,16 @@ def _int_fields(
 
 
 def _parse_ngram(spec: str, arg: str) -> NgramPolicy:
-    f = _int_fields(spec, arg, ("budget", "min", "max", "matches", "depth"))
+    f = _int_fields(spec, arg, ("budget", "min", "max", "matches", "depth", "history"))
     if "budget" not in f:
         raise ValueError(f"{spec!r} is missing ['budget']")
     lo, hi = f.get("min", 1), f.get("max", max(3, f.get("min", 1)))
     if lo > hi:
         raise ValueError(f"field min= ({lo}) exceeds max= ({hi}) in {spec!r}")
     given = "min" in f or "max" in f
+    depth = f.get("depth", f["budget"])
     return NgramPolicy(
-        f["budget"], spec, lo, hi, f.get("matches", 8), f.get("depth", f["budget"]), given
+        f["budget"], spec, lo, hi, f.get("matches", 8), depth, given, f.get("history", 0)
     )
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import kernels
-from tree_dev.proposer import tree_of
+from tree_dev.proposer import NgramHistory, tree_of
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin import attention
 from tree_dev.vllm_plugin.config import TreeConfig, draft_slots, is_ngram
@@ -132,6 +132,9 @@ class TreeRunner:
         self.cfg = cfg
         self.proposals: dict[str, Proposal] = {}
         self.draft_len: dict[str, int] = {}
+        # an ngram:...,history=H trie: finished requests' tokens, and the running ones'
+        self.history = NgramHistory(getattr(cfg.policy, "history", 0))
+        self.contexts: dict[str, list[int]] = {}
         self.verify: _Verify | None = None
         self.stats = Stats()
         self.recorded: list[dict] = []  # the first cfg.record_trees proposals
@@ -174,7 +177,12 @@ class TreeRunner:
         gone |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()))
         for new in scheduler_output.scheduled_new_reqs:
             gone.add(new.req_id)
+        for rid in scheduler_output.finished_req_ids:  # an ngram:...,history=H trie's
+            seen = self.contexts.pop(rid, None)
+            if seen is not None:
+                self.history.add(seen)
         for rid in gone:
+            self.contexts.pop(rid, None)
             self.proposals.pop(rid, None)
             self.draft_len.pop(rid, None)
             self.feats.pop(rid, None)
@@ -421,7 +429,9 @@ class TreeRunner:
 
             for i, rid, n_tokens in todo:
                 context = batch.token_ids_cpu[i, :n_tokens].tolist()
-                tree, tokens = ngram_trie(context, self.cfg.policy)
+                if self.history.max_tokens:
+                    self.contexts[rid] = context  # into the history when it finishes
+                tree, tokens = ngram_trie(context, self.cfg.policy, self.history)
                 self._store(rid, tree, tokens, out, i)
             return out
         sampled = self.cfg.draft_sampling
