@@ -53,8 +53,11 @@ BUDGETS = (4, 8, 16, 32, 64)
 # past the first level and the cheapest tree wins (``--budgets 1,2,4``).
 TOPK_SHAPES = {1: (1, 1), 2: (2, 1), 4: (2, 4), 8: (2, 8), 16: (2, 12), 32: (3, 16), 64: (4, 16)}
 TOPK_FAST_SHAPES = {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4), 16: (2, 6), 32: (3, 8), 64: (4, 8)}
-FAMILIES = ("chain", "static", "topk", "topk-fast", "hybrid", "ngram", "chain-sampled")
-DRAFT_FREE = ("ngram",)  # families that run no draft model
+FAMILIES = (
+    "chain", "static", "topk", "topk-fast", "hybrid", "ngram", "ngram-history", "chain-sampled"
+)  # fmt: skip
+DRAFT_FREE = ("ngram", "ngram-history")  # families that run no draft model
+NGRAM_HISTORY = 4096  # tokens of earlier requests the ngram-history trie searches
 # Sampling only (T > 0): the chain's drafts drawn from the draft's distribution and
 # verified against it (``Engine(draft_sampling=True)``: SpecInfer's residual rule), which
 # accepts where top-ranked drafts fail on diverse sampled text. At T = 0 it is "chain".
@@ -81,6 +84,7 @@ def policies(budget: int) -> dict[str, str]:
         "topk-fast": f"topk:k={kf},depth={df},budget={budget},temp={RANK_TEMP}",
         "hybrid": f"hybrid:k={kf},depth={df},budget={budget},temp={RANK_TEMP}",
         "ngram": f"ngram:budget={budget}",
+        "ngram-history": f"ngram:budget={budget},history={NGRAM_HISTORY}",
         "chain-sampled": f"chain:{budget}",
     }
 
