@@ -13,7 +13,9 @@ at batch 1 and at 4 concurrent requests, greedy and temperature 0.8:
 
 Reported per configuration and scenario: output tokens/s, tau (tokens per target forward,
 from vLLM's spec-decode counters), acceptance per depth, and the ratio to vLLM plain of the
-same scenario. Every engine decodes the same prompts with the same parameters. vLLM plain
+same scenario. Every engine decodes the same prompts with the same parameters, a fresh set
+for every scenario and rep (an engine that reuses earlier requests, vLLM's ``suffix`` or the
+trie's ``history=``, must not meet a request it has decoded before). vLLM plain
 stays up for the whole run and every other engine is timed in turns with it, scenario by
 scenario (``--reps`` times, the order alternating): the ratio to vLLM plain is the median
 of those same-moment ratios, since this shared machine's speed drifts by up to 2x over a
@@ -152,9 +154,13 @@ def model_setup(model: str, n: int, prompt_tokens: int, eager: bool | None) -> d
         }
     from transformers import AutoTokenizer
 
-    from tree_dev.models.prompts import heldout_prompt_ids
+    from tree_dev.models.prompts import heldout_prompt_ids, heldout_texts
 
-    prompts = heldout_prompt_ids(AutoTokenizer.from_pretrained(path), n)
+    have = len(heldout_texts())
+    prompts = heldout_prompt_ids(AutoTokenizer.from_pretrained(path), min(n, have))
+    if n > have:
+        print(f"note: {n} prompts asked, the held-out set has {have}: some repeat")
+        prompts = [prompts[i % have] for i in range(n)]
     eager = True if eager is None else eager
     return {"llm": {"model": str(path), "enforce_eager": eager}, "prompts": prompts}
 
@@ -196,19 +202,34 @@ def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, tem
     return n_out, dt, _acceptance(before, _counters(llm))
 
 
+def prompt_sets(prompts: list[list[int]], per: int, reps: int) -> list[list[list[list[int]]]]:
+    """``[scenario][rep]`` -> ``per`` prompts, disjoint while ``prompts`` lasts: an engine
+    that reuses earlier requests (vLLM's ``suffix``, the trie's ``history=``) never sees
+    a request it has decoded before, which would flatter it (greedy repeats its output)."""
+    out, k = [], 0
+    for _ in SCENARIOS:
+        row = []
+        for _ in range(reps):
+            row.append([prompts[(k + i) % len(prompts)] for i in range(per)])
+            k += per
+        out.append(row)
+    return out
+
+
 def run_engine(
     cfg: dict,
-    prompts: list[list[int]],
+    sets: list[list[list[list[int]]]],
     max_tokens: int,
     plain=None,
     reps: int = 1,
     llm_kw: dict | None = None,
+    warm: list[list[int]] | None = None,
 ) -> dict:
     """Start one engine and time every scenario ``reps`` times, each time side by side
     with the resident vLLM ``plain`` engine (the two in turns, the order alternating):
     ``ratio_to_vllm_plain`` is the median of those same-moment ratios, so the machine's
     drift over a long run does not enter it. Without ``plain``: this engine alone."""
-    llm, startup = start_engine(cfg, llm_kw, prompts)
+    llm, startup = start_engine(cfg, llm_kw, warm)
     res = {
         "name": cfg["name"],
         "method": cfg["method"],
@@ -220,14 +241,14 @@ def run_engine(
         "scenarios": {},
     }
     try:
-        for label, conc, temp in SCENARIOS:
+        for si, (label, conc, temp) in enumerate(SCENARIOS):
             mine, base, ratios, n_out, acc = [], [], [], 0, {}
             for rep in range(reps):
                 order = [llm, plain] if rep % 2 == 0 else [plain, llm]
                 for engine in order:
                     if engine is None:
                         continue
-                    n, dt, a = time_scenario(engine, prompts, max_tokens, conc, temp)
+                    n, dt, a = time_scenario(engine, sets[si][rep], max_tokens, conc, temp)
                     if engine is llm:
                         mine.append(n / dt)
                         n_out, acc = n, a
@@ -343,18 +364,20 @@ def main() -> None:
     from bench.io import atomic_write_json
 
     n = args.prompts or (4 if args.quick else 8)
-    setup = model_setup(args.model, n, args.prompt_tokens, args.eager)
-    prompts, llm_kw = setup["prompts"], setup["llm"]
+    total = n * len(SCENARIOS) * args.reps  # fresh prompts for every scenario and rep
+    setup = model_setup(args.model, total + 2, args.prompt_tokens, args.eager)
+    sets, llm_kw = prompt_sets(setup["prompts"][:total], n, args.reps), setup["llm"]
+    warm = setup["prompts"][total:]  # two more, for every engine's warm-up
     grid = configs(args.quick, setup.get("eagle"), setup.get("draft"))
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
     # vLLM plain stays up: every other engine is timed in turns with it
-    results = [run_engine(grid[0], prompts, args.max_tokens, reps=args.reps, llm_kw=llm_kw)]
-    plain, _ = start_engine(grid[0], llm_kw, prompts)
+    results = [run_engine(grid[0], sets, args.max_tokens, reps=args.reps, llm_kw=llm_kw, warm=warm)]
+    plain, _ = start_engine(grid[0], llm_kw, warm)
     try:
         for cfg in tqdm(grid[1:], desc="engines"):
-            results.append(run_engine(cfg, prompts, args.max_tokens, plain, args.reps, llm_kw))
+            results.append(run_engine(cfg, sets, args.max_tokens, plain, args.reps, llm_kw, warm))
     finally:
         shutdown_engine(plain)
     summary = {}
