@@ -49,3 +49,25 @@ def test_bench_llm_maps_a_config_to_llm_arguments(monkeypatch):
 def test_distinct_ratio():
     assert distinct_ratio([[1, 2, 3, 4], [5, 5, 5, 5]]) == pytest.approx((1.0 + 0.25) / 2)
     assert distinct_ratio([]) == 0.0
+
+
+def test_vllm_e2e_gives_every_scenario_and_rep_fresh_prompts():
+    from bench.vllm_e2e import SCENARIOS, prompt_sets
+
+    prompts = [[i] for i in range(len(SCENARIOS) * 3 * 4)]
+    sets = prompt_sets(prompts, per=4, reps=3)
+    assert [len(row) for row in sets] == [3] * len(SCENARIOS)
+    flat = [tuple(p) for row in sets for s in row for p in s]
+    assert len(flat) == len(set(flat)) == len(prompts)  # no request met twice
+    short = prompt_sets(prompts[:5], per=4, reps=3)  # fewer prompts than slots: they cycle
+    assert short[0][1] == [[4], [0], [1], [2]]
+
+
+def test_trie_replay_walks_the_deepest_matching_path():
+    from bench.trie_replay import accepted_length
+
+    parents, tokens = (-1, 0, 0, 1, 2), [9, 5, 6, 7, 8]
+    assert accepted_length(parents, tokens, [6, 8, 1]) == 2  # root -> 6 -> 8
+    assert accepted_length(parents, tokens, [5, 8]) == 1  # 5 has no child 8
+    assert accepted_length(parents, tokens, [1]) == 0
+    assert accepted_length(parents, tokens, []) == 0
