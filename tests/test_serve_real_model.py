@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +22,7 @@ import pytest
 from tests.test_serve_vllm import _free_port
 from tree_dev.models.named import NAMED_MODELS
 from tree_dev.server import config
+from tree_dev.testing import server_process
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "smollm2-135m"
@@ -93,26 +92,8 @@ def _serve(engine: str, log: Path, *flags: str, timeout_s: float):
     argv = [sys.executable, str(ROOT / "serve.py"), "--engine", engine, "--port", str(port)]
     argv += ["--model", NAME, "--max-model-len", "512", "--max-batch", "2", *flags]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout_s
-        while True:
-            assert proc.poll() is None, f"serve.py exited:\n{log.read_text()[-4000:]}"
-            assert time.time() < deadline, f"no /health in {timeout_s}s:\n{log.read_text()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
+    with server_process(argv, log, env, ROOT, timeout_s) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _ask_paris(base: str, model_dir: Path) -> None:

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import httpx
 import pytest
 
 from tests.test_serve_helpers import Good, mixed_traffic
+from tree_dev.testing import server_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SET = ROOT / "checkpoints" / "stdlib-v1"
@@ -57,30 +57,8 @@ def serve_vllm(log: Path, *flags: str, env: dict[str, str | None] | None = None)
     argv += ["--max-model-len", str(MAX_LEN), "--enforce-eager", "--log-level", "warning"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [*argv, *flags], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"serve.py exited:\n{log.read_text()[-4000:]}"
-            assert time.time() < deadline, f"no /health in {START_TIMEOUT_S}s:\n{log.read_text()}"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    with server_process([*argv, *flags], log, env, ROOT, START_TIMEOUT_S) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -117,3 +120,41 @@ def shutdown_engine(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+@contextlib.contextmanager
+def server_process(
+    argv: list[str], log: Path, env: dict[str, str], cwd: Path, timeout_s: float = 600
+) -> Iterator[str]:
+    """Run ``argv`` (a server with ``--port P``; P found in ``argv``) logging to ``log``;
+    yield ``http://127.0.0.1:P`` once ``/health`` answers 200, and stop it afterwards
+    (terminate, then kill after 60 s). Fails, with the log's tail, if the process exits
+    or ``timeout_s`` passes first."""
+    import subprocess
+    import time
+
+    import httpx
+
+    port = argv[argv.index("--port") + 1]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited:\n{log.read_text()[-4000:]}")
+            if time.time() > deadline:
+                raise AssertionError(f"no /health in {timeout_s}s:\n{log.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
