@@ -14,6 +14,7 @@ setup:
 # results/smollm2/. `make demo-toy` runs the same on the committed tiny models.
 demo: setup
 	$(PY) -m tree_dev.models fetch smollm2-135m
+	@bash scripts/setup_suffix || echo "arctic-inference did not build: bench.vllm_e2e skips vLLM's suffix"
 	$(PY) -m bench.e2e --model smollm2-135m --quick --out results/smollm2
 	@if $(PY) -c "import vllm" 2>/dev/null; then \
 	  $(PY) -m bench.vllm_e2e --model smollm2-135m --quick --out results/smollm2/; \
