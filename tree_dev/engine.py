@@ -628,8 +628,8 @@ class Engine:
         self.timings["prefill"] += time.perf_counter() - t0
 
     def _release(self, req: Request) -> None:
-        if req.finish_reason in ("stop", "length"):
-            self.ngram_history.add(req.prompt + req.output)
+        if self.ngram_history.max_tokens and req.finish_reason in ("stop", "length"):
+            self.ngram_history.add(req.prompt + req.output)  # no copy when history is off
         if req in self.running:
             self.running.remove(req)
         self.runner.cache.free(req.req_id)
