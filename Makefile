@@ -1,9 +1,11 @@
-# Two commands for a newcomer (README): `make demo` runs the main job (the local engine,
-# then the plugin inside vLLM), `make test` the tests.
-# Both run scripts/setup first, which is a no-op once the venv is up to date.
+# For a newcomer (README): `make test` (the fast tier, after every change), `make test-all`
+# (everything; what CI runs), `make demo` (the main job on the real model).
+# Every target runs scripts/setup first, which is a no-op once the venv is up to date.
+# Tiers are pytest marks: `full` tests run only in test-all; `gpu` / `neuron` tests need
+# the hardware (bench/gpu_check.sh runs the CUDA ones).
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-toy kernels test lint bench clean
+.PHONY: setup demo demo-toy kernels test test-all lint bench clean
 
 setup:
 	@bash scripts/setup
@@ -17,7 +19,10 @@ demo: setup
 	@bash scripts/setup_suffix || echo "arctic-inference did not build: bench.vllm_e2e skips vLLM's suffix"
 	$(PY) -m bench.e2e --model smollm2-135m --quick --out results/smollm2
 	@if $(PY) -c "import vllm" 2>/dev/null; then \
-	  $(PY) -m bench.vllm_e2e --model smollm2-135m --quick --out results/smollm2/; \
+	  $(PY) -m bench.vllm_e2e --model smollm2-135m --quick --reps 3 --max-tokens 64 \
+	    --out results/smollm2/ && \
+	  cp results/smollm2/vllm_e2e.png docs/real_model_vllm_e2e.png && \
+	  cp results/smollm2/vllm_e2e.json docs/real_model_vllm_e2e.json; \
 	else echo "vLLM is not installed (TREESPEC_SKIP_VLLM=1?): skipping bench.vllm_e2e"; fi
 
 demo-toy: setup
@@ -28,8 +33,14 @@ demo-toy: setup
 kernels: setup
 	$(PY) -m bench
 
+# The fast tier: units, kernels, oracles, the local engine, one vLLM smoke (< 8 minutes).
 test: setup
-	$(PY) -m pytest -q -m "not slow and not gpu and not neuron" -p no:cacheprovider
+	$(PY) -m pytest -q -m "not full and not gpu and not neuron" -p no:cacheprovider --durations=10
+
+# Everything but the hardware tiers: every vLLM module, the real model (< 35 minutes).
+test-all: setup
+	$(PY) -m tree_dev.models fetch smollm2-135m
+	$(PY) -m pytest -q -m "not gpu and not neuron" -p no:cacheprovider --durations=25
 
 lint: setup
 	$(PY) -m ruff check .

@@ -7,7 +7,11 @@ imports ``kernels.triton``.
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -42,3 +46,101 @@ def smollm2_dir():
     from tree_dev.models.named import fetch
 
     return fetch("smollm2-135m", quiet=True)
+
+
+# --- vLLM engine start-ups, counted and reported at the end of the session -----------------
+# Start-up (10-60 s each here) dominates the suite's time, so the count is part of its
+# output. In-process engines are counted by wrapping ``vllm.LLM.__init__`` as soon as vLLM's
+# module is imported (by whichever test imports it first); server processes by
+# ``tree_dev.testing.server_process``.
+ENGINE_STARTS: list[str] = []
+
+
+class _CountLLMStarts(importlib.abc.MetaPathFinder):
+    """Wraps ``LLM.__init__`` when ``vllm.entrypoints.llm`` is first loaded."""
+
+    TARGET = "vllm.entrypoints.llm"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            init = module.LLM.__init__
+
+            @functools.wraps(init)
+            def counted_init(self, *args, **kwargs):
+                init(self, *args, **kwargs)  # a start-up refused by a check is not counted
+                ENGINE_STARTS.append(os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
+
+            module.LLM.__init__ = counted_init
+
+        spec.loader.exec_module = exec_and_wrap
+        return spec
+
+
+if "vllm.entrypoints.llm" not in sys.modules:
+    sys.meta_path.insert(0, _CountLLMStarts())
+
+
+FAST_TIER_ENGINE_STARTS = 1  # make test: the one vLLM smoke
+
+
+def _fast_tier(config) -> bool:
+    return "not full" in (config.option.markexpr or "")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers are marks (``full``: ``make test-all`` only). The real model is never in
+    the fast tier: a test that asks for it without the mark is refused by name."""
+    unmarked = [
+        it.nodeid
+        for it in items
+        if "smollm2_dir" in getattr(it, "fixturenames", ())
+        and it.get_closest_marker("full") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests using the real model must be marked full (make test-all): " + ", ".join(unmarked)
+        )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The fast tier starts at most FAST_TIER_ENGINE_STARTS vLLM engines: a test that adds
+    an engine to ``make test`` fails the run, naming where the engines started."""
+    from tree_dev.testing import VLLM_SERVER_STARTS
+
+    starts = len(ENGINE_STARTS) + len(VLLM_SERVER_STARTS)
+    if _fast_tier(session.config) and starts > FAST_TIER_ENGINE_STARTS and exitstatus == 0:
+        session.config._treespec_tier_error = (
+            f"the fast tier started {starts} vLLM engines (at most {FAST_TIER_ENGINE_STARTS}):"
+            f" {ENGINE_STARTS + VLLM_SERVER_STARTS}; mark the new ones full"
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tree_dev.testing import VLLM_SERVER_STARTS
+
+    error = getattr(terminalreporter.config, "_treespec_tier_error", None)
+    if error:
+        terminalreporter.section("tier check failed", red=True)
+        terminalreporter.write_line(error, red=True)
+    if not ENGINE_STARTS and not VLLM_SERVER_STARTS:
+        return
+    per_module: dict[str, int] = {}
+    for where in ENGINE_STARTS:
+        module = where.split("::")[0]
+        per_module[module] = per_module.get(module, 0) + 1
+    terminalreporter.section("vLLM engine start-ups")
+    terminalreporter.write_line(
+        f"{len(ENGINE_STARTS)} in-process (vllm.LLM), {len(VLLM_SERVER_STARTS)} server processes"
+    )
+    for module, n in sorted(per_module.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"  {n:3d}  {module}")

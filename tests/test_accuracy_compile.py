@@ -163,7 +163,7 @@ def test_compiled_tiny_llama_layer_captures_match_eager(tmp_path):
             torch.testing.assert_close(c.tensors[m][0], e.tensors[m][0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # the inductor compile: ~30 s
 def test_inductor_backend_capture_and_replacement(tmp_path):
     """Same as the CompileCounter test with the real (inductor) backend: ~30 s on CPU."""
     torch.manual_seed(0)

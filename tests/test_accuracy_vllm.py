@@ -28,7 +28,10 @@ from _vllm_accuracy_helpers import (  # noqa: E402
     tokenize,
 )
 
-pytestmark = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)")
+pytestmark = [
+    pytest.mark.full,  # make test-all only: vLLM engines
+    pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)"),
+]
 
 STEPS = 10
 REPLACED = ["model.layers.0", "model.layers.1"]
@@ -226,7 +229,7 @@ def test_prefix_match_corner_cases_through_vllm(env):
     assert got == {k: want for k, (_, want) in cases.items()}
 
 
-@pytest.mark.slow  # a failed engine start-up takes a minute or more here; the check itself
+# a failed engine start-up takes a minute or more here; the check itself
 def test_unknown_module_pattern_fails_at_start_up_naming_it(tmp_path, capfd):
     """Runs in the worker (test_accuracy_vllm_units tests it fast); here: it reaches the user."""
     cfg = {

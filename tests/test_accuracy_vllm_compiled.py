@@ -14,7 +14,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from _vllm_accuracy_helpers import PROMPTS, ROOT, TARGET, have_vllm  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)")
+pytestmark = [
+    pytest.mark.full,  # make test-all only: a compiled vLLM engine
+    pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)"),
+]
 
 
 def _run_cli(tmp_path, *extra: str) -> subprocess.CompletedProcess:
@@ -69,7 +72,7 @@ def test_compiled_capture_layout_and_no_recompilation(compiled):
     assert len(sizes) >= 2  # over the prefill and the decode shapes
 
 
-@pytest.mark.slow  # a second engine; test_accuracy_vllm names a planted bug in-process
+# a second engine; test_accuracy_vllm names a planted bug in-process
 def test_hf_vs_vllm_exits_1_and_names_a_planted_bug(tmp_path):
     res = _run_cli(tmp_path, "--eager", "--plant-bug", "model.layers.3.mlp=1.5")
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]

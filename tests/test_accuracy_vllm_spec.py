@@ -29,7 +29,10 @@ from _vllm_accuracy_helpers import (  # noqa: E402
     tokenize,
 )
 
-pytestmark = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)")
+pytestmark = [
+    pytest.mark.full,  # make test-all only: a vLLM engine
+    pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)"),
+]
 
 STEPS, K = 12, 3
 LAYERS = [f"model.layers.{i}" for i in range(6)]

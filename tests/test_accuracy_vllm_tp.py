@@ -29,7 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _vllm_accuracy_helpers import PROMPTS, TARGET, have_vllm, make_llm, tokenize  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)")
+pytestmark = [
+    pytest.mark.full,  # make test-all only: TP=2 vLLM engines
+    pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)"),
+]
 
 STEPS = 6
 L0 = "model.layers.0"

@@ -27,7 +27,10 @@ from _vllm_accuracy_helpers import (  # noqa: E402
     tokenize,
 )
 
-pytestmark = pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)")
+pytestmark = [
+    pytest.mark.full,  # make test-all only: a vLLM engine
+    pytest.mark.skipif(not have_vllm(), reason="vLLM is not installed (scripts/setup)"),
+]
 
 MODULES = ["model.layers.0-5.self_attn", "model.layers.0-5", "lm_head"]
 

@@ -196,6 +196,7 @@ def _greedy(llm, prompts, n):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.full  # a vLLM engine
 def test_vllm_eagle_draft_computes_the_project_head(vllm_eagle, models):
     prompt = _prompts()[0]
     vllm_eagle.collective_rpc("treespec_eagle_capture", args=(True,))
@@ -236,6 +237,7 @@ def test_vllm_eagle_draft_computes_the_project_head(vllm_eagle, models):
     assert [r["input_ids"][0] for r in fwd[1:]] == ref_logits[rows[:-1]].argmax(-1).tolist()
 
 
+@pytest.mark.full  # a vLLM engine
 def test_vllm_eagle_chain_accepts_what_the_local_engine_accepts(vllm_eagle, models):
     from tree_dev.engine import Engine, SamplingParams
 
@@ -283,6 +285,7 @@ def test_vllm_eagle_chain_accepts_what_the_local_engine_accepts(vllm_eagle, mode
     assert v["num_accepted_tokens_per_pos"] == local["per_pos"]
 
 
+@pytest.mark.full  # a vLLM engine
 def test_the_vllm_plugin_entry_point_registers_the_architecture(vllm_eagle):
     """Without ``worker_extension_cls`` the plugin's ``register()`` (run by vLLM in every
     process) is what makes the exported head loadable."""

@@ -111,6 +111,7 @@ def test_a_failed_conversion_leaves_no_model_and_a_retry_finishes(cache, tmp_pat
     assert named.fetch("fake-model") == got
 
 
+@pytest.mark.full  # the real model (fetched once per machine)
 def test_smollm2_is_a_real_pretrained_model(smollm2_dir):
     import json
 
@@ -131,6 +132,7 @@ def test_smollm2_is_a_real_pretrained_model(smollm2_dir):
     assert "Paris" in tok.decode(out[0, ids.shape[1] :])
 
 
+@pytest.mark.full  # the real model (fetched once per machine)
 def test_fetch_cli_prints_the_directory_last(smollm2_dir):
     cmd = [sys.executable, "-m", "tree_dev.models", "fetch", "smollm2-135m"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)

@@ -22,6 +22,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup install
 
 from _vllm_accuracy_helpers import ROOT  # noqa: E402
 
+pytestmark = pytest.mark.full  # make test-all only: the real model inside vLLM
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 MAX_TOKENS = 4
 LAYERS = 30

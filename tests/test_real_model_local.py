@@ -15,6 +15,8 @@ from scipy.stats import chisquare
 from tree_dev.engine import Engine, SamplingParams
 from tree_dev.models.prompts import heldout_prompt_ids
 
+pytestmark = pytest.mark.full  # make test-all only: the real model, 50-prompt proofs
+
 MAX_TOKENS = 24
 TRIES = ["ngram:budget=8", "ngram:budget=8,history=4096"]
 

@@ -19,6 +19,8 @@ from vllm_engines import (  # noqa: E402
     tree_stats,
 )
 
+pytestmark = pytest.mark.full  # make test-all only: vLLM engines on the real model
+
 MAX_TOKENS = 32
 BATCH1 = 16  # of the 50, one request at a time (all 50 run 8 concurrent)
 

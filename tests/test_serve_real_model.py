@@ -24,6 +24,8 @@ from tree_dev.models.named import NAMED_MODELS
 from tree_dev.server import config
 from tree_dev.testing import server_process
 
+pytestmark = pytest.mark.full  # make test-all only: servers on the real model
+
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "smollm2-135m"
 QUESTION = "What is the capital of France?"

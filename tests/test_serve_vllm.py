@@ -26,6 +26,8 @@ import pytest
 from tests.test_serve_helpers import Good, mixed_traffic
 from tree_dev.testing import server_process
 
+pytestmark = pytest.mark.full  # make test-all only: a vLLM server
+
 ROOT = Path(__file__).resolve().parents[1]
 SET = ROOT / "checkpoints" / "stdlib-v1"
 MAX_LEN = 256

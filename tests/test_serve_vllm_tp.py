@@ -31,7 +31,7 @@ from tests.test_serve_vllm import (  # noqa: E402
 )
 
 TP = 2
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.full  # make test-all only: a TP=2 vLLM server
 
 
 @pytest.fixture(scope="module")

@@ -211,7 +211,7 @@ def test_largest_tree(backend: str) -> None:
     assert_matches_reference(backend, inputs)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # 32K-token prefixes through the interpreters
 def test_32k_prefix(backend: str) -> None:
     inputs = make_inputs(
         [random_tree(64, 11), random_tree(9, 12)], [32768, 32001], 1, 4, 64, torch.bfloat16, 256

@@ -426,7 +426,7 @@ LOSSLESS = [
         mode,
         temperature,
         top_p,
-        marks=[pytest.mark.slow] if backend != "torch" and temperature == 1.0 else [],
+        marks=[pytest.mark.full] if backend != "torch" and temperature == 1.0 else [],
     )
     for backend in BACKENDS
     for mode in ("target_only", "draft_probs")

@@ -29,6 +29,8 @@ from vllm_engines import (  # noqa: E402
     shutdown,
 )
 
+pytestmark = pytest.mark.full  # make test-all only: TP=2 vLLM engines
+
 PROMPTS = held_out_prompts(50, seed=1)
 TP = 2
 TREES = {

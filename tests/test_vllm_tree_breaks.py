@@ -18,25 +18,50 @@ from vllm_engines import (  # noqa: E402
 )
 from vllm_engines import PROMPTS as ALL_PROMPTS  # noqa: E402
 
+pytestmark = pytest.mark.full  # make test-all only: five vLLM engines
+
 PROMPTS = ALL_PROMPTS[:10]
 
 
-@pytest.mark.parametrize("broken", ["mask", "positions", "compaction"])
-def test_output_diverges_when_a_part_is_disabled(broken):
-    reference = plain_outputs(PROMPTS)
+@pytest.fixture(scope="module")
+def tree_llm():
+    """One tree engine for every break, switched at run time (``treespec_set_debug``);
+    prefix caching off, so no broken step's KV is reused by a later request."""
     llm = make_llm(
         max_num_seqs=8,
+        enable_prefix_caching=False,
         speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 8},
-        additional_config={
-            "treespec": {"tree": "topk:k=2,depth=4,budget=8", "debug_disable": broken}
-        },
+        additional_config={"treespec": {"tree": "topk:k=2,depth=4,budget=8"}},
     )
+    yield llm
+    shutdown(llm)
+
+
+def _outputs_with(llm, broken: str | None) -> list[list[int]]:
+    llm.collective_rpc("treespec_set_debug", args=(broken,))
     try:
-        outs = generate(llm, PROMPTS, greedy_params(len(PROMPTS)))
+        return generate(llm, PROMPTS, greedy_params(len(PROMPTS)))
     finally:
-        shutdown(llm)
+        llm.collective_rpc("treespec_set_debug", args=(None,))
+
+
+@pytest.mark.parametrize("broken", ["mask", "positions", "compaction"])
+def test_output_diverges_when_a_part_is_disabled(tree_llm, broken):
+    reference = plain_outputs(PROMPTS)
+    outs = _outputs_with(tree_llm, broken)
     diverged = sum(a != b for a, b in zip(outs, reference))
     assert diverged >= 3, f"only {diverged} of {len(PROMPTS)} outputs changed without the {broken}"
+
+
+def test_the_same_engine_is_lossless_with_every_part_on(tree_llm):
+    """The switch, not the engine, made the difference: switched back, it is lossless."""
+    assert _outputs_with(tree_llm, None) == plain_outputs(PROMPTS)
+
+
+def test_a_bad_switch_is_refused_naming_it(tree_llm):
+    with pytest.raises(Exception, match="'everything'"):  # vLLM re-raises the worker's error
+        tree_llm.collective_rpc("treespec_set_debug", args=("everything",))
+    shutdown(tree_llm)  # the module's engines run one at a time on this machine
 
 
 def _chain_run(monkeypatch, plugins: str | None):

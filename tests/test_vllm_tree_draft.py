@@ -27,6 +27,8 @@ from vllm_engines import (  # noqa: E402
     tree_stats,
 )
 
+pytestmark = pytest.mark.full  # make test-all only: compiled vLLM engines, 50-prompt proofs
+
 TREE = "topk:k=2,depth=4,budget=8"
 
 
@@ -109,25 +111,18 @@ def test_both_engines_grow_the_same_tree(llm):
     assert forwards["causal"] > 0 and forwards["tree"] > 0, forwards
 
 
-def test_the_same_tree_check_fails_without_the_draft_mask(llm):
-    """With the draft's tree mask dropped (``debug_disable: "draft_mask"``: every level
-    through vLLM's causal kernel), the plugin's trees are not the local engine's; the
-    output stays lossless, since only the drafts are wrong."""
-    shutdown(llm)  # the module's last test: one engine at a time on this machine
-    reference = plain_outputs(PROMPTS[:6])  # eager, like the engine below
-    broken = make_llm(
-        max_num_seqs=8,
-        speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 8},
-        additional_config={
-            "treespec": {"tree": TREE, "record_trees": 6, "debug_disable": "draft_mask"}
-        },
-    )
+def test_the_same_tree_check_fails_without_the_draft_mask(llm, reference):
+    """With the draft's tree mask dropped (``debug_disable: "draft_mask"``, switched on the
+    running engine: every level through vLLM's causal kernel), the plugin's trees are not
+    the local engine's; the output stays lossless, since only the drafts are wrong."""
+    llm.collective_rpc("treespec_set_debug", args=("draft_mask", 6))
     try:
-        assert_lossless(broken, PROMPTS[:6], reference, batch1=True)
-        recorded = broken.collective_rpc("treespec_recorded_trees")[0]
-        assert tree_stats(broken)["draft_forwards"]["tree"] == 0
+        forwards_before = tree_stats(llm)["draft_forwards"]["tree"]
+        assert_lossless(llm, PROMPTS[:6], reference[:6], batch1=True)
+        recorded = llm.collective_rpc("treespec_recorded_trees")[0]
+        assert tree_stats(llm)["draft_forwards"]["tree"] == forwards_before
     finally:
-        shutdown(broken)
+        shutdown(llm)  # the module's last test: one engine at a time on this machine
     assert len(recorded) == 6
     # 2 of these 6 first trees differ (a sibling seeing its sibling shifts the ranking)
     assert _trees_unlike_the_local_engines(recorded)

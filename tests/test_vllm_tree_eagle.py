@@ -20,6 +20,8 @@ from vllm_engines import (  # noqa: E402
     tree_stats,
 )
 
+pytestmark = pytest.mark.full  # make test-all only: vLLM engines, 50-prompt proofs
+
 TREE = "topk:k=4,depth=5,budget=8"
 
 

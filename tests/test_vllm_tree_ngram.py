@@ -3,6 +3,11 @@
 The engine gets a KV cache too small for its 8 concurrent requests, so vLLM preempts
 requests and later resumes them (recomputing their KV): the trees must stay lossless
 through that, with chunked prefill and prefix caching off.
+
+``test_smoke_*`` is the fast tier's one vLLM engine (``make test``): the same trie engine
+against the target's plain greedy decoding in Hugging Face, so no second (plain vLLM)
+engine starts; the other tests (``make test-all``) prove it against vLLM's own plain
+decoding on 50 prompts.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def llm(reference):  # after the plain engine, whose metrics would replace these
+def llm():
+    """The trie engine. The full tier's tests request ``reference`` before it, so that the
+    plain engine, whose metrics would replace these, runs first."""
     engine = make_llm(
         max_num_seqs=8,
         max_num_batched_tokens=128,
@@ -45,15 +52,18 @@ def llm(reference):  # after the plain engine, whose metrics would replace these
     shutdown(engine)
 
 
-def test_lossless_at_batch_1(llm, reference):
+@pytest.mark.full
+def test_lossless_at_batch_1(reference, llm):
     assert_lossless(llm, PROMPTS, reference[0], batch1=True)
 
 
-def test_lossless_with_8_concurrent_and_preemption(llm, reference):
+@pytest.mark.full
+def test_lossless_with_8_concurrent_and_preemption(reference, llm):
     assert_lossless(llm, PROMPTS, reference[0], batch1=False)
 
 
-def test_chain_only_features_fall_back_to_exact_plain_decoding(llm, reference):
+@pytest.mark.full
+def test_chain_only_features_fall_back_to_exact_plain_decoding(reference, llm):
     from vllm_engines import generate
 
     before = tree_stats(llm)["fallback_requests"]
@@ -62,8 +72,29 @@ def test_chain_only_features_fall_back_to_exact_plain_decoding(llm, reference):
     assert tree_stats(llm)["fallback_requests"] > before
 
 
-def test_trie_drafts_are_accepted_and_requests_were_preempted(llm):
+@pytest.mark.full
+def test_trie_drafts_are_accepted_and_requests_were_preempted(reference, llm):
     stats = tree_stats(llm)
     assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 1.2
     preempted = [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
     assert preempted and preempted[0] > 0  # the small KV cache did force preemption
+
+
+def test_smoke_trie_equals_hf_greedy_under_preemption(llm):
+    """8 concurrent requests through the trie, preempted by the small KV cache, equal the
+    target's plain greedy continuation from Hugging Face ``generate`` (fp32 on both sides),
+    and the trie's drafts are accepted."""
+    import torch
+    from vllm_engines import TARGET, generate, greedy_params, max_tokens_for
+
+    from tree_dev.engine import load_causal_lm
+    from tree_dev.testing import hf_greedy
+
+    prompts = PROMPTS[:8]
+    outs = generate(llm, prompts, greedy_params(len(prompts)))
+    model = load_causal_lm(TARGET, dtype=torch.float32)
+    want = [hf_greedy(model, p, max_tokens_for(i)) for i, p in enumerate(prompts)]
+    diverged = [i for i, (a, b) in enumerate(zip(outs, want)) if a != b]
+    assert not diverged, f"prompts {diverged} diverge from the target's plain greedy output"
+    stats = tree_stats(llm)
+    assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 1.2

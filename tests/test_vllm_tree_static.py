@@ -24,6 +24,8 @@ from vllm_engines import (  # noqa: E402
     tree_stats,
 )
 
+pytestmark = pytest.mark.full  # make test-all only: vLLM engines, 50-prompt proofs
+
 PATHS = "paths:[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
 
 

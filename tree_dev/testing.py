@@ -24,6 +24,10 @@ from tree_dev.tree import TokenTree
 
 KERNEL_BACKENDS = ("torch", "triton", "nki")
 
+# vLLM server processes started through ``server_process`` in this interpreter (the test
+# session reports the count with its in-process engines: start-up dominates the suite).
+VLLM_SERVER_STARTS: list[str] = []
+
 
 def random_tree(
     n: int, seed: int, width: int | None = None, max_children: int | None = None
@@ -136,6 +140,8 @@ def server_process(
     import httpx
 
     port = argv[argv.index("--port") + 1]
+    if "vllm" in argv or any("vllm.entrypoints" in a for a in argv):
+        VLLM_SERVER_STARTS.append(" ".join(argv[1:4]))
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     base = f"http://127.0.0.1:{port}"

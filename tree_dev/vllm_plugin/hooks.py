@@ -69,7 +69,8 @@ def install() -> None:
 
 
 def _add_worker_methods() -> None:
-    """``llm.collective_rpc("treespec_tree_stats")`` / ``("treespec_recorded_trees")``."""
+    """``llm.collective_rpc("treespec_tree_stats")`` / ``("treespec_recorded_trees")`` /
+    ``("treespec_set_debug", args=(part, n))`` (tests)."""
     try:
         from vllm.v1.worker.worker_base import WorkerBase
     except ImportError:
@@ -78,6 +79,7 @@ def _add_worker_methods() -> None:
 
     WorkerBase.treespec_tree_stats = runner.worker_tree_stats
     WorkerBase.treespec_recorded_trees = runner.worker_recorded_trees
+    WorkerBase.treespec_set_debug = runner.worker_set_debug
 
 
 def _config_post_init(orig):

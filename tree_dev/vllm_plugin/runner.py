@@ -535,6 +535,31 @@ def worker_recorded_trees(worker) -> list[dict]:
     return list(st.recorded) if st is not None else []
 
 
+def worker_set_debug(worker, disable: str | None, record_trees: int = 0) -> None:
+    """Tests' switch on a running engine: ``llm.collective_rpc("treespec_set_debug",
+    args=(part, n))`` turns off ``part`` of tree verification (one of
+    ``config.DEBUG_SWITCHES``, or None to turn it back on) from the next step, and restarts
+    recording the next ``n`` proposed trees. The proofs that can fail run on one engine
+    this way; use it with prefix caching off (a broken step's KV must not be reused)."""
+    import dataclasses
+
+    from tree_dev.vllm_plugin.config import DEBUG_SWITCHES
+
+    if disable is not None and disable not in DEBUG_SWITCHES:
+        raise ValueError(
+            f"treespec_set_debug: disable = {disable!r}; expected one of {DEBUG_SWITCHES}"
+        )
+    if not isinstance(record_trees, int) or record_trees < 0:
+        raise ValueError(
+            f"treespec_set_debug: record_trees = {record_trees!r}; expected an int >= 0"
+        )
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    if st is None:
+        raise ValueError("treespec_set_debug: this engine has no treespec tree (no 'tree' key)")
+    st.cfg = dataclasses.replace(st.cfg, debug_disable=disable, record_trees=record_trees)
+    st.recorded.clear()
+
+
 class _Profiler:
     """Developer switch: ``TREESPEC_PROFILE=FILE`` profiles the worker (cProfile) after
     ``TREESPEC_PROFILE_SKIP`` proposing steps (default 0: from start-up on) and rewrites
