@@ -243,27 +243,13 @@ def parse_tree_spec(spec: str) -> Policy:
             raise ValueError(f"unknown medusa tree {arg!r}; known: {sorted(PRESETS)}")
         return StaticPolicy(TokenTree.preset(arg), spec)
     if kind == "topk":
-        fields: dict[str, float] = {}
-        for part in arg.split(","):
-            name, eq, value = part.partition("=")
-            name = name.strip()
-            if not eq or name not in ("k", "depth", "budget", "temp"):
-                raise ValueError(
-                    f"bad field {part!r} in {spec!r}; expected k=, depth=, budget= [, temp=]"
-                )
-            try:
-                fields[name] = float(value) if name == "temp" else int(value)
-            except ValueError:
-                kind = "a number" if name == "temp" else "an integer"
-                raise ValueError(f"field {part!r} in {spec!r} is not {kind}") from None
+        fields = _int_fields(spec, arg, ("k", "depth", "budget"), floats=("temp",))
         temp = fields.pop("temp", 1.0)
         if not 0 < temp < float("inf"):
             raise ValueError(f"temp must be > 0 in {spec!r}")
         missing = {"k", "depth", "budget"} - set(fields)
         if missing:
             raise ValueError(f"{spec!r} is missing {sorted(missing)}")
-        if min(fields.values()) < 1:
-            raise ValueError(f"k, depth and budget must be >= 1 in {spec!r}")
         return TopKPolicy(int(fields["k"]), int(fields["depth"]), int(fields["budget"]), spec, temp)
     if kind == "ngram":
         return _parse_ngram(spec, arg)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tree_dev.spec import Policy, StaticPolicy, TopKPolicy, parse_tree_spec
+from tree_dev.spec import HybridPolicy, Policy, StaticPolicy, TopKPolicy, parse_tree_spec
 
 KEY = "treespec"
 MODEL_METHODS = ("draft_model", "eagle")
@@ -127,6 +127,13 @@ def parse(
     if type(policy).__name__ == "NoDraftPolicy":
         raise ValueError(
             "additional_config['treespec']['tree'] is 'none': drop speculative_config instead"
+        )
+    if isinstance(policy, HybridPolicy):
+        raise ValueError(
+            f"additional_config['treespec']['tree'] = {spec!r}: hybrid trees (a model draft "
+            "and the n-gram trie in one tree) run in the local engine only, not yet inside "
+            "vLLM; use topk/chain/paths/medusa with draft_model or eagle, or ngram:... with "
+            "method ngram"
         )
     if speculative_config is None:
         raise ValueError(

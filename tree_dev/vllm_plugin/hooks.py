@@ -1,33 +1,114 @@
-"""Where the plugin touches vLLM: method wrappers installed once per process.
+"""Where the plugin touches vLLM: every target in one catalogue (``CATALOGUE``), checked
+whole before anything is installed.
 
 Every wrapper first asks whether its object carries tree state (``_treespec``); when it
 does not (no ``additional_config["treespec"]["tree"]``), it calls vLLM's method unchanged,
 so without the key vLLM behaves exactly as without the plugin.
 
-Wrapped (all in the worker process, except the config check):
-
-- ``VllmConfig.__post_init__``: validates the tree configuration where ``LLM(...)`` or the
-  API server builds its config, so a bad spec is a start-up ``ValueError``.
-- ``VllmConfig.num_lookahead_tokens`` (a property; read by the scheduler, in the engine
-  process, and by the worker's warm-up): the KV slots reserved past a request's scheduled
-  tokens cover every draft node a tree forwards (``config.lookahead_slots``), not only
-  ``num_speculative_tokens``: a top-K tree forwards ``k * (depth - 1)`` nodes.
-- ``GPUModelRunner.__init__`` (the CPU runner subclasses it): creates the ``TreeRunner``
-  state and registers the tree attention backend override before the model loads.
-- ``load_model``: records which attention layers belong to the target and the draft.
-- ``_update_states``: forgets finished / preempted requests.
-- ``_prepare_inputs``: depth positions and the tree rows of the verify forward.
-- ``_sample``: the tree walk, then KV compaction (vLLM's sampler is skipped when every
-  request of the batch is a tree: the walk writes every row).
-- ``propose_draft_token_ids``: grows the next trees.
+``install`` resolves every catalogued target in the running vLLM first. A required target
+that is missing (a vLLM rename) is a ``RuntimeError`` naming it and the vLLM version the
+catalogue was written for, and nothing is installed: never half the hooks. A vLLM whose
+version is not ``WRITTEN_FOR`` gets a warning naming both versions.
+``python -m tree_dev.vllm_plugin.hooks`` prints the catalogue and whether each target
+resolves here.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+WRITTEN_FOR = "0.32"  # the vLLM release every target below was read in
 _INSTALLED = False
+_log = logging.getLogger("treespec")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One vLLM touch point.
+
+    Attributes:
+        target: ``"module:Class.attribute"`` (or ``"module:name"``) in vLLM.
+        why: what the plugin needs there.
+        how: ``"wrap"`` (the method, calling vLLM's), ``"property"`` (wrap the getter),
+            ``"add"`` (new worker methods on the class) or ``"use"`` (called, not changed).
+        make: for ``wrap`` / ``property``: ``make(original) -> replacement``.
+        required: False for targets only some vLLM builds have (the CPU runner module).
+    """
+
+    target: str
+    why: str
+    how: str
+    make: Callable | None = None
+    required: bool = True
+
+
+def _resolve(target: str) -> tuple[Any, str]:
+    """``(owner, attribute)`` of ``target``; ``LookupError`` naming the missing part."""
+    module_name, _, path = target.partition(":")
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise LookupError(f"{target}: module {module_name} does not import ({e})") from e
+    *owners, attr = path.split(".")
+    for name in owners:
+        if not hasattr(owner, name):
+            raise LookupError(f"{target}: {module_name} has no {name}")
+        owner = getattr(owner, name)
+    if attr and not (hasattr(owner, attr) or attr in getattr(owner, "__dict__", {})):
+        raise LookupError(f"{target}: {getattr(owner, '__name__', owner)} has no {attr}")
+    return owner, attr
+
+
+def missing_targets(catalogue: tuple[Patch, ...]) -> list[str]:
+    """The required targets of ``catalogue`` the running vLLM lacks, each with why."""
+    out = []
+    for patch in catalogue:
+        if not patch.required:
+            continue
+        try:
+            _resolve(patch.target)
+        except LookupError as e:
+            out.append(str(e))
+    return out
+
+
+def installed(patch: Patch) -> bool:
+    """Whether ``patch`` is in place now (``wrap`` / ``property``); True for the others."""
+    if patch.how not in ("wrap", "property"):
+        return True
+    try:
+        owner, attr = _resolve(patch.target)
+    except LookupError:
+        return False
+    value = owner.__dict__.get(attr)
+    fn = value.fget if isinstance(value, property) else value
+    return bool(getattr(fn, "_treespec_wrapped", False))
+
+
+def apply(catalogue: tuple[Patch, ...]) -> None:
+    """Install ``catalogue`` all or nothing: every required target is resolved first."""
+    missing = missing_targets(catalogue)
+    if missing:
+        raise RuntimeError(
+            f"treespec: this vLLM lacks {len(missing)} target(s) the plugin patches (written "
+            f"for vLLM {WRITTEN_FOR}); nothing was installed: " + "; ".join(missing)
+        )
+    for patch in catalogue:
+        if patch.how not in ("wrap", "property"):
+            continue
+        try:
+            owner, attr = _resolve(patch.target)
+        except LookupError:  # an optional target this build lacks
+            continue
+        if patch.how == "wrap":
+            _wrap(owner, attr, patch.make)
+        else:
+            _wrap_property(owner, attr, patch.make)
 
 
 def _wrap(cls: type, name: str, make) -> None:
@@ -40,41 +121,45 @@ def _wrap(cls: type, name: str, make) -> None:
     setattr(cls, name, new)
 
 
+def _wrap_property(cls: type, name: str, make) -> None:
+    orig = cls.__dict__.get(name)
+    if not isinstance(orig, property) or getattr(orig.fget, "_treespec_wrapped", False):
+        return
+    fget = make(orig.fget)
+    functools.update_wrapper(fget, orig.fget)
+    fget._treespec_wrapped = True
+    setattr(cls, name, property(fget, doc=orig.__doc__))
+
+
+def _check_version() -> None:
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if not str(version).startswith(WRITTEN_FOR):
+        _log.warning(
+            "treespec: the vLLM plugin was written for vLLM %s; this is vLLM %s. Every "
+            "patched target resolves, but their behaviour may have changed.",
+            WRITTEN_FOR,
+            version,
+        )
+
+
 def install() -> None:
-    """Install the wrappers (idempotent; inert until a runner is configured for trees)."""
+    """Install the catalogue (idempotent; inert until a runner is configured for trees)."""
     global _INSTALLED
     if _INSTALLED:
         return
-    _INSTALLED = True
-    from vllm.config import VllmConfig
-
-    _wrap(VllmConfig, "__post_init__", _config_post_init)
-    _wrap_lookahead(VllmConfig)
+    apply(CATALOGUE)
+    _check_version()
     _add_worker_methods()
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:  # a vLLM build without the V1 GPU runner module
-        return
-    _wrap(GPUModelRunner, "__init__", _runner_init)
-    _wrap(GPUModelRunner, "load_model", _load_model)
-    _wrap(GPUModelRunner, "_update_states", _update_states)
-    _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
-    _wrap(GPUModelRunner, "_sample", _sample)
-    _wrap(GPUModelRunner, "propose_draft_token_ids", _propose)
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except ImportError:
-        return
-    _wrap(CPUModelRunner, "load_model", _load_model)
+    _INSTALLED = True
 
 
 def _add_worker_methods() -> None:
     """``llm.collective_rpc("treespec_tree_stats")`` / ``("treespec_recorded_trees")`` /
     ``("treespec_set_debug", args=(part, n))`` (tests)."""
-    try:
-        from vllm.v1.worker.worker_base import WorkerBase
-    except ImportError:
-        return
+    from vllm.v1.worker.worker_base import WorkerBase
+
     from tree_dev.vllm_plugin import runner
 
     WorkerBase.treespec_tree_stats = runner.worker_tree_stats
@@ -99,13 +184,9 @@ def _config_post_init(orig):
     return __post_init__
 
 
-def _wrap_lookahead(cls: type) -> None:
-    orig = cls.__dict__.get("num_lookahead_tokens")
-    if not isinstance(orig, property) or getattr(orig.fget, "_treespec_wrapped", False):
-        return
-
+def _lookahead(orig_fget):
     def num_lookahead_tokens(self) -> int:
-        n = orig.fget(self)
+        n = orig_fget(self)
         from tree_dev.vllm_plugin import config
 
         section = config.tree_section(getattr(self, "additional_config", None))
@@ -113,9 +194,7 @@ def _wrap_lookahead(cls: type) -> None:
             return n
         return max(n, config.lookahead_slots(section, self.speculative_config))
 
-    functools.update_wrapper(num_lookahead_tokens, orig.fget)
-    num_lookahead_tokens._treespec_wrapped = True
-    cls.num_lookahead_tokens = property(num_lookahead_tokens, doc=orig.__doc__)
+    return num_lookahead_tokens
 
 
 def _runner_init(orig):
@@ -228,3 +307,100 @@ def _propose(orig):
         return st.propose(scheduler_output, sampled_token_ids, hidden)
 
     return propose_draft_token_ids
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+CATALOGUE: tuple[Patch, ...] = (
+    Patch(
+        "vllm.config:VllmConfig.__post_init__",
+        "refuse a bad tree config where LLM(...) or the API server builds its config",
+        "wrap",
+        _config_post_init,
+    ),
+    Patch(
+        "vllm.config:VllmConfig.num_lookahead_tokens",
+        "reserve KV slots past the scheduled tokens for every draft node a tree forwards "
+        "(a top-K tree forwards k * (depth - 1), not num_speculative_tokens)",
+        "property",
+        _lookahead,
+    ),
+    Patch(
+        "vllm.v1.worker.worker_base:WorkerBase",
+        "collective_rpc entry points: treespec_tree_stats, treespec_recorded_trees, "
+        "treespec_set_debug",
+        "add",
+    ),
+    Patch(
+        f"{_RUNNER}.__init__",
+        "create the TreeRunner state and register the tree attention override before the "
+        "model loads (the CPU runner subclasses this runner)",
+        "wrap",
+        _runner_init,
+    ),
+    Patch(
+        f"{_RUNNER}.load_model",
+        "record which attention layers belong to the target and to the draft",
+        "wrap",
+        _load_model,
+    ),
+    Patch(
+        "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model",
+        "the same on the CPU runner, which overrides load_model",
+        "wrap",
+        _load_model,
+        required=False,
+    ),
+    Patch(
+        f"{_RUNNER}._update_states", "forget finished / preempted requests", "wrap", _update_states
+    ),
+    Patch(
+        f"{_RUNNER}._prepare_inputs",
+        "depth positions and the tree rows of the verify forward",
+        "wrap",
+        _prepare_inputs,
+    ),
+    Patch(
+        f"{_RUNNER}._sample",
+        "the tree walk, then KV compaction (vLLM's sampler is skipped when every request of "
+        "the batch is a tree: the walk writes every row)",
+        "wrap",
+        _sample,
+    ),
+    Patch(f"{_RUNNER}.propose_draft_token_ids", "grow the next trees", "wrap", _propose),
+    Patch(
+        "vllm.v1.attention.backends.registry:register_backend",
+        "override CPU_ATTN (CPU) / TRITON_ATTN (CUDA) with the tree attention backends",
+        "use",
+    ),
+    Patch(
+        "vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_ATTN",
+        "the CPU backend the override replaces",
+        "use",
+    ),
+    Patch(
+        "vllm.v1.attention.backends.registry:AttentionBackendEnum.TRITON_ATTN",
+        "the CUDA backend the override replaces",
+        "use",
+    ),
+)
+
+
+def main() -> int:
+    """Print the catalogue and whether each target resolves in the installed vLLM."""
+    import vllm
+
+    print(f"vLLM {vllm.__version__} (catalogue written for {WRITTEN_FOR})")
+    missing = 0
+    for patch in CATALOGUE:
+        try:
+            _resolve(patch.target)
+            state = "ok"
+        except LookupError as e:
+            state = f"MISSING ({e})" if patch.required else "absent (optional)"
+            missing += patch.required
+        print(f"{state:10s} {patch.how:8s} {patch.target}\n           {patch.why}")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""The plugin's vLLM touch points (``tree_dev.vllm_plugin.hooks.CATALOGUE``): every target
+resolves in the installed vLLM, ``install`` puts every hook in place, and a target a vLLM
+rename removed is refused by name with nothing installed (no engine needed)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+
+from tree_dev.vllm_plugin import hooks  # noqa: E402
+
+
+def test_every_catalogued_target_resolves_in_this_vllm():
+    assert hooks.missing_targets(hooks.CATALOGUE) == []
+    assert {p.how for p in hooks.CATALOGUE} <= {"wrap", "property", "add", "use"}
+    assert all(p.why for p in hooks.CATALOGUE)
+
+
+def test_install_puts_every_hook_in_place():
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    hooks.install()
+    not_in_place = [p.target for p in hooks.CATALOGUE if not hooks.installed(p)]
+    assert not_in_place == []
+    for name in ("treespec_tree_stats", "treespec_recorded_trees", "treespec_set_debug"):
+        assert callable(getattr(WorkerBase, name))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A module ``fake_vllm_for_tests`` with one class to patch."""
+    module = types.ModuleType("fake_vllm_for_tests")
+
+    class Runner:
+        def step(self) -> str:
+            return "vllm"
+
+        @property
+        def slots(self) -> int:
+            return 1
+
+    module.Runner = Runner
+    monkeypatch.setitem(sys.modules, "fake_vllm_for_tests", module)
+    return module
+
+
+def _tagged(orig):
+    def step(self):
+        return "tree+" + orig(self)
+
+    return step
+
+
+def test_apply_wraps_once(fake_vllm):
+    catalogue = (
+        hooks.Patch("fake_vllm_for_tests:Runner.step", "why", "wrap", _tagged),
+        hooks.Patch("fake_vllm_for_tests:Runner.slots", "why", "property", lambda f: f),
+    )
+    hooks.apply(catalogue)
+    hooks.apply(catalogue)  # idempotent: not wrapped twice
+    assert fake_vllm.Runner().step() == "tree+vllm"
+    assert all(hooks.installed(p) for p in catalogue)
+
+
+def test_a_missing_target_is_refused_by_name_and_nothing_is_installed(fake_vllm):
+    catalogue = (
+        hooks.Patch("fake_vllm_for_tests:Runner.step", "why", "wrap", _tagged),
+        hooks.Patch("fake_vllm_for_tests:Runner.renamed_in_a_new_vllm", "why", "wrap", _tagged),
+        hooks.Patch("fake_vllm_for_tests:Gone.step", "why", "wrap", _tagged),
+        hooks.Patch("no_such_vllm_module:X.y", "why", "use"),
+    )
+    with pytest.raises(RuntimeError) as err:
+        hooks.apply(catalogue)
+    msg = str(err.value)
+    for name in ("renamed_in_a_new_vllm", "Gone", "no_such_vllm_module", hooks.WRITTEN_FOR):
+        assert name in msg
+    assert "Runner.step:" not in msg  # the target that resolves is not named
+    assert fake_vllm.Runner().step() == "vllm"  # all or nothing: the good one untouched
+    assert not hooks.installed(catalogue[0])
+
+
+def test_an_optional_target_may_be_absent(fake_vllm):
+    catalogue = (
+        hooks.Patch("fake_vllm_for_tests:Runner.step", "why", "wrap", _tagged),
+        hooks.Patch("fake_vllm_for_tests:CpuOnly.step", "why", "wrap", _tagged, required=False),
+    )
+    hooks.apply(catalogue)
+    assert fake_vllm.Runner().step() == "tree+vllm"
+
+
+def test_another_vllm_version_is_warned_about(monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.1")
+    with caplog.at_level(logging.WARNING, logger="treespec"):
+        hooks._check_version()
+    assert "0.99.1" in caplog.text and hooks.WRITTEN_FOR in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(vllm, "__version__", f"{hooks.WRITTEN_FOR}.0")
+    with caplog.at_level(logging.WARNING, logger="treespec"):
+        hooks._check_version()
+    assert caplog.text == ""
+
+
+def test_the_catalogue_cli_exits_0_here(capsys):
+    assert hooks.main() == 0
+    out = capsys.readouterr().out
+    assert "MISSING" not in out
+    assert all(p.target in out for p in hooks.CATALOGUE)
