@@ -2,7 +2,8 @@
 """OpenAI-compatible server with tree speculative decoding, over either engine.
 
 ``python serve.py`` with no arguments serves the committed tiny model set
-(``checkpoints/stdlib-v1``) with the best measured policy of the default engine:
+(``checkpoints/stdlib-v1``) with the default engine's default policy (fixed in code;
+``--tree-from REPORT.json`` serves a benchmark's measured best):
 ``--engine vllm`` (vLLM's own OpenAI server with the project's tree plugin) where vLLM
 is installed, else ``--engine local`` (the project's engine). The server lives in
 ``tree_dev/server/``; ``docs/serve.md`` lists every flag, the vLLM / SGLang flag

@@ -504,15 +504,6 @@ def test_disconnecting_stream_frees_its_request(srv, monkeypatch):
 
 
 # --------------------------------------------------------------------------- flags
-@pytest.fixture(autouse=True)
-def _no_measured_policies(tmp_path_factory, monkeypatch):
-    """The flag tests see the built-in default policies, not this checkout's results/
-    (a local bench run's best policy would change what a flag set resolves to)."""
-    empty = tmp_path_factory.mktemp("no_results")
-    monkeypatch.setattr(config, "E2E_REPORT", empty / "e2e.json")
-    monkeypatch.setattr(config, "VLLM_E2E_REPORT", empty / "vllm_e2e.json")
-
-
 def _local(argv) -> list[str]:
     """The local engine's flags (the default engine is vllm where vLLM is installed)."""
     return list(argv) if "--engine" in argv else ["--engine", "local", *argv]
@@ -541,7 +532,7 @@ def test_flags_tree_and_drafts(tmp_path):
     assert (c.tree, c.drafter) == ("none", None)
     c = _cfg("--model", str(tmp_path), "--eagle-head", "e", "--port", "9", "--max-batch", "3")
     assert c.drafter == "eagle" and c.port == 9 and c.max_batch == 3 and c.host == "127.0.0.1"
-    assert c.tree == config.read_best_policy()[0]
+    assert c.tree == config.DEFAULT_TREE
 
 
 def test_flags_model_set_default(tmp_path):
@@ -556,26 +547,61 @@ def test_flags_model_set_default(tmp_path):
     c = _cfg()  # no arguments: the project's trained set, target + EAGLE head, best tree
     assert c.model == config.DEFAULT_MODEL_SET / "target"
     assert (c.drafter, c.drafter_path) == ("eagle", config.DEFAULT_MODEL_SET / "eagle")
-    assert c.tree == config.read_best_policy()[0] and c.tokenizer.name == "tokenizer"
+    assert c.tree == config.DEFAULT_TREE and c.tokenizer.name == "tokenizer"
 
 
-def test_model_set_follows_best_policy(tmp_path, monkeypatch):
+def test_model_set_serves_a_measured_policy_only_from_tree_from(tmp_path, capsys):
     for sub in ("target", "eagle", "draft", "tokenizer"):
         (tmp_path / sub).mkdir()
     report = tmp_path / "e2e.json"
-    monkeypatch.setattr(config, "E2E_REPORT", report)
     report.write_text(json.dumps({"best_policy": {"tree": "chain:3", "drafter": "draft"}}))
+    # a report lying where bench.e2e writes it changes nothing: the defaults are code
     c = _cfg("--model", str(tmp_path))
+    assert (c.tree, c.drafter) == (config.DEFAULT_TREE, "eagle")
+    c = _cfg("--model", str(tmp_path), "--tree-from", str(report))
     assert (c.tree, c.drafter, c.drafter_path) == ("chain:3", "draft", tmp_path / "draft")
     assert c.tree_source == f"best_policy of {report}"
     report.write_text(json.dumps({"best_policy": "topk:k=2,depth=2,budget=3"}))
-    c = _cfg("--model", str(tmp_path))
+    c = _cfg("--model", str(tmp_path), "--tree-from", str(report))
     assert (c.tree, c.drafter) == ("topk:k=2,depth=2,budget=3", "eagle")
+    report.write_text(json.dumps({"best_policy": "ngram:budget=4"}))
+    c = _cfg("--model", str(tmp_path), "--tree-from", str(report))
+    assert (c.tree, c.drafter) == ("ngram:budget=4", "ngram")
+
+
+@pytest.mark.parametrize(
+    "content, extra, named",
+    [
+        (None, [], "no such report"),
+        ("{}", [], "no valid best_policy"),
+        ('{"best_policy": "bogus:1"}', [], "bogus"),
+        ('{"best_policy": "chain:2"}', ["--tree", "chain:3"], "not allowed with --tree"),
+        ('{"best_policy": "chain:2"}', ["--draft-model", "d"], "not allowed with --draft-model"),
+    ],
+)
+def test_tree_from_errors_name_the_report(tmp_path, capsys, content, extra, named):
+    report = tmp_path / "e2e.json"
+    if content is not None:
+        report.write_text(content)
+    err = _fails(capsys, "--tree-from", str(report), *extra)
+    assert "--tree-from" in err and named in err, err
+
+
+def test_tree_from_on_a_plain_checkpoint_needs_a_draft_free_tree(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    report = tmp_path / "e2e.json"
+    report.write_text(json.dumps({"best_policy": "ngram:budget=4"}))
+    c = _cfg("--model", str(tmp_path), "--tree-from", str(report))
+    assert (c.tree, c.drafter) == ("ngram:budget=4", "ngram")
+    report.write_text(json.dumps({"best_policy": "chain:2"}))
+    err = _fails(capsys, "--model", str(tmp_path), "--tree-from", str(report))
+    assert "needs a draft" in err and "plain checkpoint" in err, err
 
 
 def test_best_policy_file(tmp_path):
     p = tmp_path / "e2e.json"
-    assert config.read_best_policy(p)[0] == config.DEFAULT_TREE
+    with pytest.raises(ValueError, match="no such report"):
+        config.read_best_policy(p)
     p.write_text(json.dumps({"best_policy": "chain:2"}))
     assert config.read_best_policy(p)[0] == "chain:2"
     p.write_text(json.dumps({"best_policy": {"tree": "topk:k=2,depth=2,budget=4", "tau": 2.0}}))
@@ -584,7 +610,8 @@ def test_best_policy_file(tmp_path):
     p.write_text(json.dumps({"best_policy": {"tree": "chain:3", "drafter": "draft"}}))
     assert config.read_best_policy(p)[0] == "chain:3" and config.read_best_drafter(p) == "draft"
     p.write_text(json.dumps({"best_policy": "bogus:1"}))
-    assert config.read_best_policy(p)[0] == config.DEFAULT_TREE
+    with pytest.raises(ValueError, match="no valid best_policy"):
+        config.read_best_policy(p)
 
 
 @pytest.mark.parametrize(
@@ -909,8 +936,7 @@ def test_vllm_defaults_serve_the_committed_set():
     c = _vllm()
     assert c.model == config.DEFAULT_MODEL_SET / "target" and c.max_model_len == 512
     assert c.served_model_name == "stdlib-v1" and c.engine == "vllm"
-    kind, tree, _, sampled = config.read_best_vllm_policy()
-    assert (c.drafter, c.tree, c.draft_sampling) == (kind, tree, sampled)
+    assert (c.drafter, c.tree, c.draft_sampling) == (*config.VLLM_DEFAULT_POLICY, False)
 
 
 @pytest.mark.parametrize("engine", ["local", "vllm"])
@@ -960,11 +986,11 @@ def test_vllm_benchmark_client_completes_without_failures(srv, tokenizer, tmp_pa
         assert r["total_output_tokens"] == 64 and r["output_throughput"] > 0
 
 
-def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
+def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path):
     p = tmp_path / "vllm_e2e.json"
-    assert config.read_best_vllm_policy(p)[:2] == config.VLLM_DEFAULT_POLICY
-    # a fresh clone (no report): the plugin's n-gram trie, the best measured vLLM policy
-    monkeypatch.setattr(config, "VLLM_E2E_REPORT", p)
+    with pytest.raises(ValueError, match="no such report"):
+        config.read_best_vllm_policy(p)
+    # no --tree-from: the plugin's n-gram trie, the code's default
     for sub in ("target", "tokenizer"):
         (tmp_path / sub).mkdir()
     c = _vllm("--model", str(tmp_path))
@@ -989,12 +1015,14 @@ def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
     p.write_text(json.dumps({"best_policy": {"method": "ngram", "tree": "ngram:budget=8"}}))
     assert config.read_best_vllm_policy(p)[:2] == ("ngram", "ngram:budget=8")
     p.write_text(json.dumps({"best_policy": {"method": "medusa", "tree": "chain:2"}}))
-    assert config.read_best_vllm_policy(p)[:2] == config.VLLM_DEFAULT_POLICY
-    # serve.py --engine vllm with no policy flags serves it, with the model set's draft
+    with pytest.raises(ValueError, match="medusa"):
+        config.read_best_vllm_policy(p)
+    # serve.py --engine vllm --tree-from REPORT serves it, with the model set's draft
     for sub in ("eagle", "draft"):
         (tmp_path / sub).mkdir()
     p.write_text(json.dumps(summary(1.6, 1.2)))
-    c = _vllm("--model", str(tmp_path))
+    assert _vllm("--model", str(tmp_path)).tree == "ngram:budget=8"  # not without the flag
+    c = _vllm("--model", str(tmp_path), "--tree-from", str(p))
     assert (c.drafter, c.drafter_path, c.tree) == (
         "draft",
         tmp_path / "draft",
@@ -1007,7 +1035,7 @@ def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path, monkeypatch):
     sampled["summary"]["batch1 T=0.0"]["best_tree"] = "tree eagle chain:4 sampled drafts"
     p.write_text(json.dumps(sampled))
     assert config.read_best_vllm_policy(p) == ("eagle", "chain:4", f"best measured in {p}", True)
-    c = _vllm("--model", str(tmp_path))
+    c = _vllm("--model", str(tmp_path), "--tree-from", str(p))
     assert (c.drafter, c.tree, c.draft_sampling) == ("eagle", "chain:4", True)
     ac = {"treespec": {"tree": "chain:4", "draft_sampling": True}}
     assert _arg(config.vllm_argv(c), "--additional-config") == ac

@@ -38,14 +38,6 @@ ENGINES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _no_measured_policies(tmp_path_factory, monkeypatch):
-    """The built-in default policies, not this checkout's results/ reports."""
-    empty = tmp_path_factory.mktemp("no_results")
-    monkeypatch.setattr(config, "E2E_REPORT", empty / "e2e.json")
-    monkeypatch.setattr(config, "VLLM_E2E_REPORT", empty / "vllm_e2e.json")
-
-
 # --------------------------------------------------------------------------- config
 @pytest.mark.parametrize("engine", ENGINES)
 def test_name_resolves_to_the_fetched_dir_with_the_ngram_trie(engine, smollm2_dir):

@@ -24,33 +24,24 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_SET = REPO / "checkpoints" / "stdlib-v1"
-E2E_REPORT = REPO / "results" / "e2e.json"
-VLLM_E2E_REPORT = REPO / "results" / "vllm_e2e.json"
 #: The gates report each engine's server reads at start-up (``python -m bench.gates``).
 GATES_REPORTS = {
     "local": REPO / "results" / "gates.json",
     "vllm": REPO / "results" / "gates_vllm.json",
 }
 ENGINES = ("local", "vllm")
-#: Local engine's tree when ``results/e2e.json`` has no ``best_policy``: measured by
-#: ``python -m bench.e2e`` on the committed tiny set (EAGLE head, batch 1, CPU) at
-#: 1.48x autoregressive tokens/s, tau 6.17 (chain:8 1.51x, tau 5.82; the best in that
-#: run, topk:k=2,depth=4,budget=4, 1.57x; medians of 3 rounds, per-round spread
-#: 0.1-0.2), and with top-K tau >= the chain's at the same node budget (the propose
-#: gate).
+# The serving defaults are code, not benchmark output: the same flags serve the same tree
+# on every machine. ``--tree-from REPORT.json`` serves a report's measured best instead.
+# Why each default was chosen, with its figures: docs/serve.md ("Default policies").
+#: The local engine's tree for a model set with an EAGLE head or draft model.
 DEFAULT_TREE = "topk:k=2,depth=8,budget=8,temp=0.3"
-#: vLLM's policy when ``results/vllm_e2e.json`` has no usable best policy (a fresh clone:
-#: ``results/`` is not committed): the plugin's n-gram trie, the best measured policy of
-#: the vLLM engine on the committed set (``python -m bench.vllm_e2e --quick``, batch 1
-#: greedy: 1.98x vLLM plain beside it, vLLM's best own method 1.88x; ``python -m
-#: bench.serve_load``: 1.8-2.0x plain ``vllm serve`` at concurrency 1).
+#: vLLM's policy for a model set given no tree or draft flag: the plugin's n-gram trie.
 VLLM_DEFAULT_POLICY = ("ngram", "ngram:budget=8")
 #: The tree given a vLLM draft model or EAGLE head without a tree flag: their chain of 4.
 VLLM_DEFAULT_DRAFT_TREE = "chain:4"
 #: The tree of a plain checkpoint directory (a pretrained model such as ``smollm2-135m``:
 #: no draft model, no EAGLE head) given no tree or draft flag, in both engines: the
-#: n-gram trie, which drafts from the text itself (the best measured policy of vLLM on
-#: the committed set, ``VLLM_DEFAULT_POLICY``).
+#: n-gram trie, which drafts from the text itself.
 PLAIN_MODEL_DEFAULT_TREE = VLLM_DEFAULT_POLICY[1]
 #: vLLM speculative methods -> the drafter kind they use.
 VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle", "draft_model": "draft", "ngram": "ngram"}
@@ -173,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree", help="tree spec: none, chain:K, paths:[...], medusa:NAME, topk:..., ngram:..."
     )
     t.add_argument(
+        "--tree-from",
+        type=Path,
+        metavar="REPORT.json",
+        help="serve the best policy a benchmark measured: results/e2e.json of python -m "
+        "bench.e2e (--engine local) or results/vllm_e2e.json of python -m bench.vllm_e2e "
+        "(--engine vllm); without it the defaults are fixed in code",
+    )
+    t.add_argument(
         "--speculative-config",
         help="vLLM's JSON: method (draft_model, eagle, eagle3, ngram), model, "
         "num_speculative_tokens, speculative_token_tree, other vLLM keys",
@@ -225,52 +224,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------- best policies
-def read_best_policy(path: Path | None = None) -> tuple[str, str]:
-    """``(tree spec, where it came from)``: ``best_policy`` of the e2e report, else the default.
+def read_best_policy(path: Path) -> tuple[str, str]:
+    """``(tree spec, where it came from)``: ``best_policy`` of a ``bench.e2e`` report.
 
     ``best_policy`` may be a spec string or an object with a ``tree`` (or ``spec``) key
     and optionally ``drafter`` (``"eagle"`` or ``"draft"``, see ``read_best_drafter``).
+    Raises ``ValueError`` naming the file and what is wrong with it.
     """
     from tree_dev.spec import parse_tree_spec
 
-    path = E2E_REPORT if path is None else path
     try:
         best = json.loads(Path(path).read_text())["best_policy"]
         spec = best if isinstance(best, str) else best.get("tree") or best.get("spec")
         parse_tree_spec(spec)
-        return spec, f"best_policy of {path}"
     except FileNotFoundError:
-        return DEFAULT_TREE, f"default (no {path})"
+        raise ValueError(f"{path}: no such report (python -m bench.e2e writes one)") from None
     except (KeyError, TypeError, AttributeError, ValueError, json.JSONDecodeError) as e:
-        log.warning("ignoring best_policy of %s (%s); using %s", path, e, DEFAULT_TREE)
-        return DEFAULT_TREE, f"default ({path} has no valid best_policy)"
+        raise ValueError(f"{path} has no valid best_policy ({e})") from None
+    return spec, f"best_policy of {path}"
 
 
-def read_best_drafter(path: Path | None = None) -> str | None:
+def read_best_drafter(path: Path) -> str | None:
     """``"eagle"`` or ``"draft"`` when ``best_policy`` is an object naming its ``drafter``."""
     try:
-        best = json.loads(Path(E2E_REPORT if path is None else path).read_text())["best_policy"]
+        best = json.loads(Path(path).read_text())["best_policy"]
     except (OSError, KeyError, TypeError, json.JSONDecodeError):
         return None
     kind = best.get("drafter") if isinstance(best, dict) else None
     return kind if kind in ("eagle", "draft") else None
 
 
-def read_best_vllm_policy(path: Path | None = None) -> tuple[str | None, str, str, bool]:
+def read_best_vllm_policy(path: Path) -> tuple[str | None, str, str, bool]:
     """``(drafter kind or None, tree spec, source, sampled drafts)`` of vLLM's best
-    measured policy.
+    measured policy in a ``bench.vllm_e2e`` report.
 
-    From ``results/vllm_e2e.json`` (``python -m bench.vllm_e2e``): its ``best_policy``
-    object (``method``: a vLLM method, ``tree``: a spec, optionally ``draft_sampling``)
-    when it has one, else its
-    ``summary`` for greedy batch 1 (``"batch1 T=0.0"``): the faster of the best tree
-    and the best vLLM method, by their ratio to vLLM plain. A tree other than a chain
-    needs the plugin. Without a usable report: ``VLLM_DEFAULT_POLICY``.
+    Its ``best_policy`` object (``method``: a vLLM method, ``tree``: a spec, optionally
+    ``draft_sampling``) when it has one, else its ``summary`` for greedy batch 1
+    (``"batch1 T=0.0"``): the faster of the best tree and the best vLLM method, by their
+    ratio to vLLM plain. A tree other than a chain needs the plugin. Raises ``ValueError``
+    naming the file and what is wrong with it.
     """
     from tree_dev.spec import parse_tree_spec
 
-    path = VLLM_E2E_REPORT if path is None else path
-    kind, tree = VLLM_DEFAULT_POLICY
     try:
         doc = json.loads(Path(path).read_text())
         best = doc.get("best_policy")
@@ -286,13 +281,35 @@ def read_best_vllm_policy(path: Path | None = None) -> tuple[str | None, str, st
             raise ValueError(f"unknown method {method!r}")
         if not _is_chain(spec) and spec != "none" and not vllm_plugin_available():
             raise ValueError(f"tree {spec!r} needs the tree plugin, which is not installed")
-        kind_of = VLLM_METHODS[method] if method else None
-        return kind_of, spec, f"best measured in {path}", sampled
     except FileNotFoundError:
-        return kind, tree, f"default (no {path})", False
+        raise ValueError(f"{path}: no such report (python -m bench.vllm_e2e writes one)") from None
     except (KeyError, TypeError, ValueError, AttributeError, json.JSONDecodeError) as e:
-        log.warning("ignoring the best policy of %s (%s); using %s %s", path, e, kind, tree)
-        return kind, tree, f"default ({path} has no usable best policy)", False
+        raise ValueError(f"{path} has no usable best policy ({e})") from None
+    kind_of = VLLM_METHODS[method] if method else None
+    return kind_of, spec, f"best measured in {path}", sampled
+
+
+def _measured_policy(
+    parser: argparse.ArgumentParser, report: Path | None, engine: str, other_flag: str | None
+) -> tuple[str | None, str, str, bool] | None:
+    """``--tree-from REPORT``: ``(drafter kind or None, tree, source, sampled drafts)`` of the
+    report's best policy for ``engine``, or None without the flag. A report that is missing
+    or has no usable best policy, or a tree or draft flag beside it, is a flag error."""
+    if report is None:
+        return None
+    if other_flag is not None:
+        parser.error(
+            f"argument --tree-from: not allowed with {other_flag} (the report chooses the "
+            "tree and its draft)"
+        )
+    try:
+        if engine == "vllm":
+            return read_best_vllm_policy(report)
+        spec, source = read_best_policy(report)
+    except ValueError as e:
+        parser.error(f"argument --tree-from: {e}")
+    kind = "ngram" if _is_ngram(spec) else read_best_drafter(report)
+    return kind, spec, source, False
 
 
 def _vllm_e2e_name(name: str) -> tuple[str | None, str, bool]:
@@ -617,37 +634,54 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
     if tree == "none" and drafter is not None:
         parser.error(f"argument {drafter_flag}: not allowed with {tree_flag} none (unused draft)")
     source = tree_flag
+    measured = _measured_policy(parser, a.tree_from, engine, tree_flag or drafter_flag)
     if a.model is None or (model / "target").is_dir():
         # a model set: target/, eagle/ and/or draft/, tokenizer/ (the default set may not
         # be trained yet: its paths are used as they are, and loading says what is missing)
         if tokenizer is None:
             tokenizer = model / "tokenizer"
         if engine == "vllm" and tree is None and drafter is None:
-            kind, tree, source, sampled = read_best_vllm_policy()
+            kind, tree = VLLM_DEFAULT_POLICY
+            source, sampled = "default for a vLLM model set", False
+            if measured is not None:
+                kind, tree, source, sampled = measured
             draft_sampling = draft_sampling or sampled
             if kind is not None:
                 drafter = (kind, None if kind == "ngram" else model / kind)
+        elif measured is not None and tree is None:
+            kind, tree, source, _ = measured
+            if kind == "ngram":
+                drafter = ("ngram", None)
         if drafter is None and tree != "none":
             has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
             if engine == "vllm":  # the EAGLE head, exported for vLLM at start-up
                 use_draft = has_draft and not has_eagle
             else:
                 use_draft = has_draft and (
-                    not has_eagle or (tree is None and read_best_drafter() == "draft")
+                    not has_eagle or (measured is not None and measured[0] == "draft")
                 )
             drafter = ("draft", model / "draft") if use_draft else ("eagle", model / "eagle")
         model = model / "target"
     elif tree is None and drafter is None and (model / "config.json").is_file():
         # a plain checkpoint (a pretrained model): no draft, so the n-gram trie
         tree, source = PLAIN_MODEL_DEFAULT_TREE, "default for a model without a draft"
-        drafter = ("ngram", None)
+        if measured is not None:
+            _, tree, source, sampled = measured
+            draft_sampling = draft_sampling or sampled
+            if tree != "none" and not _is_ngram(tree):
+                parser.error(
+                    f"argument --tree-from: the {source} is {tree!r}, which needs a draft; "
+                    f"{model} is a plain checkpoint without one (was the report measured on "
+                    "another model?)"
+                )
+        drafter = ("ngram", None) if _is_ngram(tree) else None
     if tree is None:
         if drafter is None:
             tree, source = "none", "no draft given"
         elif engine == "vllm":
             tree, source = VLLM_DEFAULT_DRAFT_TREE, f"default for a vLLM {drafter[0]} draft"
         else:
-            tree, source = read_best_policy()
+            tree, source = DEFAULT_TREE, f"default for a local {drafter[0]} draft"
     if tree != "none" and drafter is None:
         parser.error(
             f"argument {tree_flag}: tree {tree!r} needs a draft (--draft-model or --eagle-head)"
