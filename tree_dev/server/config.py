@@ -534,6 +534,19 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+@dataclass
+class _Policy:
+    """The tree and its draft while ``resolve_config`` fills in defaults: which flag set
+    each (for error messages) and where the tree came from (``tree_source``)."""
+
+    tree: str | None = None
+    tree_flag: str | None = None
+    drafter: tuple[str, Path | None] | None = None  # (kind, path)
+    drafter_flag: str | None = None
+    source: str | None = None
+    draft_sampling: bool = False
+
+
 def resolve_config(argv: list[str] | None = None) -> ServeConfig:
     """Parse flags, map vLLM/SGLang forms onto tree specs, apply the engine's defaults.
 
@@ -543,8 +556,6 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
     """
     import sys
 
-    from tree_dev.spec import parse_tree_spec
-
     parser = build_parser()
     own, passthrough = _split_passthrough(list(sys.argv[1:] if argv is None else argv))
     a = parser.parse_args(own)
@@ -553,10 +564,59 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         parser.error("argument --engine: vllm is not installed here (pip install vllm)")
     if passthrough and engine != "vllm":
         parser.error(f"arguments after --: only --engine vllm takes them, got {passthrough}")
+    pol, spec_extra, add_extra = _policy_from_flags(parser, a, engine)
+    _check_sizes(parser, a, engine)
+    model, model_name = resolve_model_flag(parser, a.model)
+    if pol.tree == "none" and pol.drafter is not None:
+        parser.error(
+            f"argument {pol.drafter_flag}: not allowed with {pol.tree_flag} none (unused draft)"
+        )
+    model, tokenizer = _apply_defaults(parser, a, engine, model, pol)
+    _check_policy(parser, engine, pol)
+    name = a.served_model_name or model_name
+    if name is None:
+        name = model.parent.name if model.name == "target" else model.name
+    drafter = pol.drafter
+    return ServeConfig(
+        model=model,
+        tokenizer=tokenizer,
+        drafter=drafter[0] if drafter else None,
+        drafter_path=drafter[1] if drafter else None,
+        tree=pol.tree,
+        tree_source=pol.source,
+        max_model_len=_max_model_len(parser, a.max_model_len, model, drafter),
+        engine=engine,
+        host=a.host,
+        port=a.port,
+        max_batch=a.max_batch,
+        kernel_backend=a.kernel_backend,
+        served_model_name=name,
+        dtype=a.dtype,
+        device=a.device,
+        torch_threads=a.torch_threads,
+        gates_report=a.gates_report or GATES_REPORTS[engine],
+        log_level=a.log_level,
+        enforce_eager=a.enforce_eager,
+        draft_sampling=pol.draft_sampling,
+        tensor_parallel_size=a.tensor_parallel_size,
+        speculative_extra=spec_extra,
+        additional_extra=add_extra,
+        vllm_args=passthrough,
+    )
+
+
+def _policy_from_flags(
+    parser: argparse.ArgumentParser, a: argparse.Namespace, engine: str
+) -> tuple[_Policy, dict[str, Any], dict[str, Any]]:
+    """The tree and draft the flags give (project, vLLM and SGLang forms), with vLLM's
+    extra keys; two flags that disagree are an error naming both."""
+    from tree_dev.spec import parse_tree_spec
+
     trees: dict[str, str] = {}  # flag -> tree spec
     drafters: dict[str, tuple[str, Path | None]] = {}  # flag -> (kind, path)
     spec_extra: dict[str, Any] = {}
     add_extra: dict[str, Any] = {}
+    draft_sampling = a.draft_sampling
     try:
         if a.tree is not None:
             trees["--tree"] = a.tree
@@ -565,7 +625,6 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
         if a.eagle_head is not None:
             drafters["--eagle-head"] = ("eagle", a.eagle_head)
         plugin_tree = None
-        draft_sampling = a.draft_sampling
         if a.additional_config is not None:
             plugin_tree, sampling, add_extra = _additional_config(a.additional_config)
             draft_sampling = draft_sampling or sampling
@@ -617,6 +676,18 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
             parser.error(
                 f"argument {f2}: not allowed with {f1} (draft {d2[0]} {d2[1]} vs {d1[0]} {d1[1]})"
             )
+    pol = _Policy(
+        tree=tree,
+        tree_flag=tree_flag,
+        drafter=next(iter(drafters.values()), None),
+        drafter_flag=next(iter(drafters), None),
+        source=tree_flag,
+        draft_sampling=draft_sampling,
+    )
+    return pol, spec_extra, add_extra
+
+
+def _check_sizes(parser: argparse.ArgumentParser, a: argparse.Namespace, engine: str) -> None:
     if a.tensor_parallel_size < 1:
         parser.error(f"argument --tensor-parallel-size: must be >= 1, got {a.tensor_parallel_size}")
     if a.tensor_parallel_size > 1 and engine != "vllm":
@@ -627,73 +698,91 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
     if a.max_batch < 1 or (a.max_model_len is not None and a.max_model_len < 2):
         parser.error("argument --max-batch/--max-model-len: must be >= 1 / >= 2")
 
-    model, model_name = resolve_model_flag(parser, a.model)
+
+def _apply_defaults(
+    parser: argparse.ArgumentParser,
+    a: argparse.Namespace,
+    engine: str,
+    model: Path,
+    pol: _Policy,
+) -> tuple[Path, Path | None]:
+    """Fill ``pol``'s missing tree and draft from the code's defaults or ``--tree-from``
+    (see docs/serve.md); returns the target's directory and the tokenizer's."""
     tokenizer = a.tokenizer
-    drafter = next(iter(drafters.values()), None)
-    drafter_flag = next(iter(drafters), None)
-    if tree == "none" and drafter is not None:
-        parser.error(f"argument {drafter_flag}: not allowed with {tree_flag} none (unused draft)")
-    source = tree_flag
-    measured = _measured_policy(parser, a.tree_from, engine, tree_flag or drafter_flag)
+    measured = _measured_policy(parser, a.tree_from, engine, pol.tree_flag or pol.drafter_flag)
     if a.model is None or (model / "target").is_dir():
         # a model set: target/, eagle/ and/or draft/, tokenizer/ (the default set may not
         # be trained yet: its paths are used as they are, and loading says what is missing)
         if tokenizer is None:
             tokenizer = model / "tokenizer"
-        if engine == "vllm" and tree is None and drafter is None:
-            kind, tree = VLLM_DEFAULT_POLICY
-            source, sampled = "default for a vLLM model set", False
-            if measured is not None:
-                kind, tree, source, sampled = measured
-            draft_sampling = draft_sampling or sampled
-            if kind is not None:
-                drafter = (kind, None if kind == "ngram" else model / kind)
-        elif measured is not None and tree is None:
-            kind, tree, source, _ = measured
-            if kind == "ngram":
-                drafter = ("ngram", None)
-        if drafter is None and tree != "none":
-            has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
-            if engine == "vllm":  # the EAGLE head, exported for vLLM at start-up
-                use_draft = has_draft and not has_eagle
-            else:
-                use_draft = has_draft and (
-                    not has_eagle or (measured is not None and measured[0] == "draft")
-                )
-            drafter = ("draft", model / "draft") if use_draft else ("eagle", model / "eagle")
+        _model_set_defaults(engine, model, pol, measured)
         model = model / "target"
-    elif tree is None and drafter is None and (model / "config.json").is_file():
+    elif pol.tree is None and pol.drafter is None and (model / "config.json").is_file():
         # a plain checkpoint (a pretrained model): no draft, so the n-gram trie
-        tree, source = PLAIN_MODEL_DEFAULT_TREE, "default for a model without a draft"
+        pol.tree, pol.source = PLAIN_MODEL_DEFAULT_TREE, "default for a model without a draft"
         if measured is not None:
-            _, tree, source, sampled = measured
-            draft_sampling = draft_sampling or sampled
-            if tree != "none" and not _is_ngram(tree):
+            _, pol.tree, pol.source, sampled = measured
+            pol.draft_sampling = pol.draft_sampling or sampled
+            if pol.tree != "none" and not _is_ngram(pol.tree):
                 parser.error(
-                    f"argument --tree-from: the {source} is {tree!r}, which needs a draft; "
-                    f"{model} is a plain checkpoint without one (was the report measured on "
-                    "another model?)"
+                    f"argument --tree-from: the {pol.source} is {pol.tree!r}, which needs a "
+                    f"draft; {model} is a plain checkpoint without one (was the report "
+                    "measured on another model?)"
                 )
-        drafter = ("ngram", None) if _is_ngram(tree) else None
-    if tree is None:
-        if drafter is None:
-            tree, source = "none", "no draft given"
+        pol.drafter = ("ngram", None) if _is_ngram(pol.tree) else None
+    if pol.tree is None:
+        if pol.drafter is None:
+            pol.tree, pol.source = "none", "no draft given"
         elif engine == "vllm":
-            tree, source = VLLM_DEFAULT_DRAFT_TREE, f"default for a vLLM {drafter[0]} draft"
+            pol.tree = VLLM_DEFAULT_DRAFT_TREE
+            pol.source = f"default for a vLLM {pol.drafter[0]} draft"
         else:
-            tree, source = DEFAULT_TREE, f"default for a local {drafter[0]} draft"
+            pol.tree, pol.source = DEFAULT_TREE, f"default for a local {pol.drafter[0]} draft"
+    return model, tokenizer
+
+
+def _model_set_defaults(
+    engine: str, model: Path, pol: _Policy, measured: tuple[str | None, str, str, bool] | None
+) -> None:
+    """A model set's policy: vLLM's default (or measured) policy, else its EAGLE head or
+    draft model (the local engine prefers the head unless the report names the draft)."""
+    if engine == "vllm" and pol.tree is None and pol.drafter is None:
+        kind, pol.tree = VLLM_DEFAULT_POLICY
+        pol.source, sampled = "default for a vLLM model set", False
+        if measured is not None:
+            kind, pol.tree, pol.source, sampled = measured
+        pol.draft_sampling = pol.draft_sampling or sampled
+        if kind is not None:
+            pol.drafter = (kind, None if kind == "ngram" else model / kind)
+    elif measured is not None and pol.tree is None:
+        kind, pol.tree, pol.source, _ = measured
+        if kind == "ngram":
+            pol.drafter = ("ngram", None)
+    if pol.drafter is None and pol.tree != "none":
+        has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
+        if engine == "vllm":  # the EAGLE head, exported for vLLM at start-up
+            use_draft = has_draft and not has_eagle
+        else:
+            named_draft = measured is not None and measured[0] == "draft"
+            use_draft = has_draft and (not has_eagle or named_draft)
+        pol.drafter = ("draft", model / "draft") if use_draft else ("eagle", model / "eagle")
+
+
+def _check_policy(parser: argparse.ArgumentParser, engine: str, pol: _Policy) -> None:
+    """A tree the engine cannot run with its draft is an error naming the flag."""
+    from tree_dev.spec import StaticPolicy, parse_tree_spec
+
+    tree, drafter = pol.tree, pol.drafter
     if tree != "none" and drafter is None:
         parser.error(
-            f"argument {tree_flag}: tree {tree!r} needs a draft (--draft-model or --eagle-head)"
+            f"argument {pol.tree_flag}: tree {tree!r} needs a draft (--draft-model or --eagle-head)"
         )
     if drafter is not None and drafter[0] == "ngram" and engine == "local" and not _is_ngram(tree):
         parser.error(
-            f"argument {drafter_flag}: the local engine drafts n-grams as a trie: give "
+            f"argument {pol.drafter_flag}: the local engine drafts n-grams as a trie: give "
             f"--tree ngram:budget=N (not {tree!r})"
         )
-    if draft_sampling:
-        from tree_dev.spec import StaticPolicy
-
+    if pol.draft_sampling:
         if not isinstance(parse_tree_spec(tree), StaticPolicy) or drafter is None:
             parser.error(
                 f"argument --draft-sampling: needs a static tree (chain/paths/medusa) with a "
@@ -702,18 +791,26 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
             )
         if drafter[0] == "ngram":
             parser.error("argument --draft-sampling: an n-gram draft has no distribution")
-    if engine == "vllm" and tree != "none" and (not _is_chain(tree) or draft_sampling):
+    if engine == "vllm" and tree != "none" and (not _is_chain(tree) or pol.draft_sampling):
         if not vllm_plugin_available():
             parser.error(
-                f"argument {source}: tree {tree!r} needs the project's vLLM tree plugin "
+                f"argument {pol.source}: tree {tree!r} needs the project's vLLM tree plugin "
                 "(tree_dev.vllm_plugin), which is not installed here; vLLM alone runs "
                 "chain:K"
             )
-    # max_model_len: never above what the model was trained for (vLLM refuses it too)
+
+
+def _max_model_len(
+    parser: argparse.ArgumentParser,
+    max_len: int | None,
+    model: Path,
+    drafter: tuple[str, Path | None] | None,
+) -> int:
+    """``--max-model-len``, never above what the target (or draft LM) was trained for (vLLM
+    refuses it too); default: the target's ``max_position_embeddings``, else 1024."""
     limits = [("target", model)]
     if drafter is not None and drafter[1] is not None and drafter[0] == "draft":
         limits.append(("draft", drafter[1]))
-    max_len = a.max_model_len
     for role, path in limits:
         mpe = max_position_embeddings(path)
         if mpe is None:
@@ -725,37 +822,7 @@ def resolve_config(argv: list[str] | None = None) -> ServeConfig:
                 f"argument --max-model-len: {max_len} is above the {role} model's "
                 f"max_position_embeddings {mpe} ({path}/config.json)"
             )
-    if max_len is None:
-        max_len = 1024
-    name = a.served_model_name or model_name
-    if name is None:
-        name = model.parent.name if model.name == "target" else model.name
-    return ServeConfig(
-        model=model,
-        tokenizer=tokenizer,
-        drafter=drafter[0] if drafter else None,
-        drafter_path=drafter[1] if drafter else None,
-        tree=tree,
-        tree_source=source,
-        max_model_len=max_len,
-        engine=engine,
-        host=a.host,
-        port=a.port,
-        max_batch=a.max_batch,
-        kernel_backend=a.kernel_backend,
-        served_model_name=name,
-        dtype=a.dtype,
-        device=a.device,
-        torch_threads=a.torch_threads,
-        gates_report=a.gates_report or GATES_REPORTS[engine],
-        log_level=a.log_level,
-        enforce_eager=a.enforce_eager,
-        draft_sampling=draft_sampling,
-        tensor_parallel_size=a.tensor_parallel_size,
-        speculative_extra=spec_extra,
-        additional_extra=add_extra,
-        vllm_args=passthrough,
-    )
+    return 1024 if max_len is None else max_len
 
 
 # --------------------------------------------------------------------------- vLLM
