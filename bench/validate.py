@@ -40,7 +40,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ from accuracy import (
 )
 from accuracy.compare import normalize_name
 from accuracy.plots import save_figure
-from tree_dev.engine import Engine, SamplingParams
+from tree_dev.engine import Engine, RequestStep, SamplingParams, StepEvent
 from tree_dev.hf_compat import cache_kwargs
 from tree_dev.testing import perturbed, tiny_llama
 
@@ -144,55 +144,16 @@ def capture_modules(num_layers: int) -> list[str]:
 
 
 # --------------------------------------------------------------------------- engine side
-@dataclass
-class RequestStep:
-    """One request in one verify step: the tree the target scored and what it accepted."""
-
-    req_id: int
-    prefix_len: int  # committed tokens cached before the root; root position
-    context: list[int]  # committed tokens, root last (len prefix_len + 1)
-    parents: list[int]
-    tokens: list[int]
-    accepted: list[int] = field(default_factory=list)  # node ids, root first
-    emitted: list[int] = field(default_factory=list)  # accepted drafts + bonus
-
-
 class _StepTracer:
-    """Wraps ``engine._accept`` (instance attribute) to record each step's trees,
-    prefix lengths and accepted paths. The accepted path is re-derived from the
-    emitted tokens (siblings carry distinct tokens) and checked against the number
-    of accepted nodes the engine compacted (its ``target_len`` advance)."""
+    """Keeps the last verify step's trees, prefix lengths and accepted paths, as the
+    engine reports them (``Engine.on_step``)."""
 
     def __init__(self, engine: Engine):
         self.last: list[RequestStep] = []
-        self._orig = engine._accept
-        engine._accept = self._accept
+        engine.on_step(self._record)
 
-    def _accept(self, batch, proposals, *args, **kwargs):
-        recs = []
-        for r, p in zip(batch, proposals):
-            ctx = list(r.prompt + r.output)
-            recs.append(RequestStep(r.req_id, r.target_len, ctx, p.tree.parents.tolist(), p.tokens))
-        outs = self._orig(batch, proposals, *args, **kwargs)
-        for r, rec in zip(batch, recs):
-            n = r.target_len - rec.prefix_len
-            full = r.prompt + r.output
-            rec.emitted = list(full[len(rec.context) : len(rec.context) + n])
-            path = [0]
-            for t in rec.emitted[: n - 1]:
-                kids = [c for c, par in enumerate(rec.parents) if par == path[-1]]
-                match = [c for c in kids if rec.tokens[c] == t]
-                if len(match) != 1:
-                    break
-                path.append(match[0])
-            if len(path) != n and not r.finished:  # finished: emitted may be cut by a stop
-                raise RuntimeError(
-                    f"request {r.req_id}: tokens {rec.emitted} do not trace an accepted path "
-                    f"of {n} nodes through its tree (got {path})"
-                )
-            rec.accepted = path
-        self.last = recs
-        return outs
+    def _record(self, event: StepEvent) -> None:
+        self.last = event.requests
 
 
 def tree_positions(rec: RequestStep) -> list[int]:

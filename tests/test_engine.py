@@ -68,6 +68,32 @@ def test_greedy_is_lossless_on_50_prompts(models, prompts_and_greedy, spec):
         assert engine.draft_runner.cache.free_blocks == engine.draft_runner.cache.num_blocks
 
 
+@pytest.mark.parametrize("spec", ["none", "topk:k=3,depth=4,budget=12", "ngram:budget=8"])
+def test_step_events_report_each_tree_and_its_accepted_path(models, prompts_and_greedy, spec):
+    """``Engine.on_step``: every event's accepted nodes are a root-first path of the tree
+    the target scored, the emitted tokens are those nodes' drafts plus one bonus, and a
+    request's emitted tokens over its steps are its output (cut at max_tokens)."""
+    target, _, draft = models
+    prompts, _ = prompts_and_greedy
+    engine = Engine(target, None if spec == "none" else draft, tree=spec, max_batch=4)
+    events = []
+    engine.on_step(events.append)
+    got = engine.generate(prompts[:6], SamplingParams(max_tokens=12))
+    emitted: dict[int, list[int]] = {}
+    for ev in events:
+        assert set(ev.timings) == {"draft", "verify", "walk"} and min(ev.timings.values()) >= 0
+        for rec in ev.requests:
+            assert len(rec.context) == rec.prefix_len + 1 and len(rec.parents) == len(rec.tokens)
+            path = rec.accepted
+            assert path[0] == 0 and all(rec.parents[b] == a for a, b in zip(path, path[1:]))
+            assert len(rec.emitted) == len(path)
+            assert rec.emitted[:-1] == [rec.tokens[n] for n in path[1:]]
+            emitted.setdefault(rec.req_id, []).extend(rec.emitted)
+    assert [emitted[i][:12] for i in range(6)] == got
+    if spec != "none":
+        assert any(len(rec.accepted) > 1 for ev in events for rec in ev.requests)
+
+
 def test_accepts_long_paths_when_draft_equals_target(models, prompts_and_greedy):
     target, reference, _ = models
     prompts, want = prompts_and_greedy

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -177,6 +178,29 @@ class StepOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
+
+
+@dataclass
+class RequestStep:
+    """One request in one verify step (``StepEvent``): the tree the target scored and the
+    path the walk accepted."""
+
+    req_id: int
+    prefix_len: int  # committed tokens cached before the root; the root's position
+    context: list[int]  # committed tokens, root last (len prefix_len + 1)
+    parents: list[int]  # [N] node parents (-1: the root)
+    tokens: list[int]  # [N] node tokens
+    accepted: list[int] = field(default_factory=list)  # accepted node ids, root first
+    emitted: list[int] = field(default_factory=list)  # the walk's tokens: drafts + bonus
+
+
+@dataclass
+class StepEvent:
+    """What one ``Engine.step`` did, for subscribers (``Engine.on_step``): every request's
+    tree and accepted path, and the step's draft / verify / walk seconds."""
+
+    requests: list[RequestStep]
+    timings: dict[str, float]
 
 
 @dataclass
@@ -532,8 +556,14 @@ class Engine:
         self._next_id = 0
         self.timings = {"draft": 0.0, "verify": 0.0, "walk": 0.0, "prefill": 0.0}
         self.forwards = {"target": 0, "draft": 0}
+        self._step_listeners: list[Callable[[StepEvent], None]] = []
 
     # ----------------------------------------------------------------- public API
+    def on_step(self, listener: Callable[[StepEvent], None]) -> None:
+        """Call ``listener(StepEvent)`` after every verify step (tests, ``bench.validate``,
+        statistics). Without listeners a step builds no event."""
+        self._step_listeners.append(listener)
+
     def add_request(self, prompt: list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (token ids); returns the request id."""
         params = params or SamplingParams()
@@ -600,11 +630,26 @@ class Engine:
         )
         self.forwards["target"] += 1
         t2 = time.perf_counter()
-        outs = self._accept(batch, proposals, hidden, logits)
+        records = None
+        if self._step_listeners:
+            records = [
+                RequestStep(
+                    r.req_id, r.target_len, r.prompt + r.output, p.tree.parents.tolist(), p.tokens
+                )
+                for r, p in zip(batch, proposals)
+            ]
+        paths: dict[int, tuple[list[int], list[int]]] = {}
+        outs = self._accept(batch, proposals, hidden, logits, paths)
         t3 = time.perf_counter()
         self.timings["draft"] += t1 - t0
         self.timings["verify"] += t2 - t1
         self.timings["walk"] += t3 - t2
+        if records is not None:
+            for rec in records:
+                rec.accepted, rec.emitted = paths[rec.req_id]
+            event = StepEvent(records, {"draft": t1 - t0, "verify": t2 - t1, "walk": t3 - t2})
+            for listener in self._step_listeners:
+                listener(event)
         return outs
 
     # ----------------------------------------------------------------- admission
@@ -706,7 +751,10 @@ class Engine:
         proposals: list[Proposal],
         hidden: torch.Tensor,
         logits: torch.Tensor,
+        paths: dict[int, tuple[list[int], list[int]]],
     ) -> list[StepOutput]:
+        """Walk every tree, compact the KV of the accepted paths, commit the tokens; fills
+        ``paths[req_id] = (accepted node ids, emitted tokens)``."""
         sizes = [p.tree.num_nodes for p in proposals]
         # the one walk check the engine can't rule out; a finite sum means every logit is
         # finite (an inf or NaN makes it inf or NaN), the full check only when it is not
@@ -714,7 +762,7 @@ class Engine:
             bad = [r.req_id for r, x in zip(batch, logits.split(sizes)) if not x.isfinite().all()]
             raise RuntimeError(f"target produced non-finite logits for requests {bad}")
         if all(n == 1 for n in sizes):
-            return self._accept_roots(batch, hidden, logits)
+            return self._accept_roots(batch, hidden, logits, paths)
         logit_rows = logits.split(sizes)
         hidden_rows = hidden.split(sizes)
         width = 1 + max(p.tree.max_depth for p in proposals)
@@ -779,6 +827,7 @@ class Engine:
         for i, r in enumerate(batch):
             n = int(acc_len[i])
             emitted = out_tokens[i, :n].tolist()
+            paths[r.req_id] = (acc_nodes[i, :n].tolist(), list(emitted))
             r.steps += 1
             r.accepted_drafts += n - 1
             depth = proposals[i].tree.max_depth
@@ -800,12 +849,17 @@ class Engine:
         return outs
 
     def _accept_roots(
-        self, batch: list[Request], hidden: torch.Tensor, logits: torch.Tensor
+        self,
+        batch: list[Request],
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        paths: dict[int, tuple[list[int], list[int]]],
     ) -> list[StepOutput]:
         """``_accept`` when every tree is its root alone (a plain decode step): the next
         token is the root's bonus token, nothing to walk or compact."""
         outs = []
         for i, (r, t) in enumerate(zip(batch, self._sample_roots(batch, logits).tolist())):
+            paths[r.req_id] = ([0], [t])
             r.steps += 1
             r.target_len += 1
             if self.draft_runner is not None:
