@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("treespec.serve")
@@ -127,10 +127,6 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     req_id: int | None = None
-    seen_steps: int = 0
-    seen_drafts: int = 0
-    seen_tried: list[int] = field(default_factory=list)
-    seen_accepted: list[int] = field(default_factory=list)
 
 
 class EngineWorker:
@@ -144,6 +140,7 @@ class EngineWorker:
     def __init__(self, engine, metrics: Metrics):
         self.engine = engine
         self.metrics = metrics
+        engine.on_step(self._observe)
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
         self._stop = threading.Event()
@@ -219,7 +216,6 @@ class EngineWorker:
             job = self._jobs.get(o.req_id)
             if job is None:
                 continue
-            self._observe(job, eng.requests[o.req_id])
             if o.new_tokens:
                 with self.metrics.lock:
                     self.metrics.generation_tokens += len(o.new_tokens)
@@ -247,16 +243,16 @@ class EngineWorker:
             self.metrics.prompt_tokens += len(job.prompt)
         self._deliver(job, ("accepted", rid))
 
-    def _observe(self, job: Job, req) -> None:
-        """Per-step deltas of the request's speculative counters -> metrics."""
-        if req.steps == job.seen_steps:
-            return
-        tried = [t - s for t, s in zip(req.depth_tried, job.seen_tried + [0] * 64)]
-        acc = [a - s for a, s in zip(req.depth_accepted, job.seen_accepted + [0] * 64)]
-        length = (req.accepted_drafts - job.seen_drafts) // max(req.steps - job.seen_steps, 1)
-        self.metrics.observe_accept(length + 1, tried, acc)
-        job.seen_steps, job.seen_drafts = req.steps, req.accepted_drafts
-        job.seen_tried, job.seen_accepted = list(req.depth_tried), list(req.depth_accepted)
+    def _observe(self, event) -> None:
+        """Each request's accepted length and per-depth acceptance of one verify step
+        (``Engine.on_step``) -> metrics."""
+        for rec in event.requests:
+            depth = [0] * len(rec.parents)
+            for i, parent in enumerate(rec.parents[1:], start=1):
+                depth[i] = depth[parent] + 1
+            n = len(rec.accepted)
+            deepest = max(depth)
+            self.metrics.observe_accept(n, [1] * deepest, [int(d < n - 1) for d in range(deepest)])
 
     def _finish(self, job: Job, reason: str | None, error: str | None = None) -> None:
         req = self.engine.requests.pop(job.req_id, None)  # the engine keeps no history
