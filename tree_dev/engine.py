@@ -190,6 +190,7 @@ class RequestStep:
     context: list[int]  # committed tokens, root last (len prefix_len + 1)
     parents: list[int]  # [N] node parents (-1: the root)
     tokens: list[int]  # [N] node tokens
+    max_depth: int  # the tree's depth (0: the root alone)
     accepted: list[int] = field(default_factory=list)  # accepted node ids, root first
     emitted: list[int] = field(default_factory=list)  # the walk's tokens: drafts + bonus
 
@@ -634,11 +635,16 @@ class Engine:
         if self._step_listeners:
             records = [
                 RequestStep(
-                    r.req_id, r.target_len, r.prompt + r.output, p.tree.parents.tolist(), p.tokens
+                    r.req_id,
+                    r.target_len,
+                    r.prompt + r.output,
+                    p.tree.parents.tolist(),
+                    p.tokens,
+                    p.tree.max_depth,
                 )
                 for r, p in zip(batch, proposals)
             ]
-        paths: dict[int, tuple[list[int], list[int]]] = {}
+        paths: dict[int, tuple[list[int], list[int]]] | None = {} if records is not None else None
         outs = self._accept(batch, proposals, hidden, logits, paths)
         t3 = time.perf_counter()
         self.timings["draft"] += t1 - t0
@@ -751,10 +757,10 @@ class Engine:
         proposals: list[Proposal],
         hidden: torch.Tensor,
         logits: torch.Tensor,
-        paths: dict[int, tuple[list[int], list[int]]],
+        paths: dict[int, tuple[list[int], list[int]]] | None,
     ) -> list[StepOutput]:
         """Walk every tree, compact the KV of the accepted paths, commit the tokens; fills
-        ``paths[req_id] = (accepted node ids, emitted tokens)``."""
+        ``paths[req_id] = (accepted node ids, emitted tokens)`` unless ``paths`` is None."""
         sizes = [p.tree.num_nodes for p in proposals]
         # the one walk check the engine can't rule out; a finite sum means every logit is
         # finite (an inf or NaN makes it inf or NaN), the full check only when it is not
@@ -827,7 +833,8 @@ class Engine:
         for i, r in enumerate(batch):
             n = int(acc_len[i])
             emitted = out_tokens[i, :n].tolist()
-            paths[r.req_id] = (acc_nodes[i, :n].tolist(), list(emitted))
+            if paths is not None:
+                paths[r.req_id] = (acc_nodes[i, :n].tolist(), list(emitted))
             r.steps += 1
             r.accepted_drafts += n - 1
             depth = proposals[i].tree.max_depth
@@ -853,13 +860,14 @@ class Engine:
         batch: list[Request],
         hidden: torch.Tensor,
         logits: torch.Tensor,
-        paths: dict[int, tuple[list[int], list[int]]],
+        paths: dict[int, tuple[list[int], list[int]]] | None,
     ) -> list[StepOutput]:
         """``_accept`` when every tree is its root alone (a plain decode step): the next
         token is the root's bonus token, nothing to walk or compact."""
         outs = []
         for i, (r, t) in enumerate(zip(batch, self._sample_roots(batch, logits).tolist())):
-            paths[r.req_id] = ([0], [t])
+            if paths is not None:
+                paths[r.req_id] = ([0], [t])
             r.steps += 1
             r.target_len += 1
             if self.draft_runner is not None:

@@ -247,11 +247,7 @@ class EngineWorker:
         """Each request's accepted length and per-depth acceptance of one verify step
         (``Engine.on_step``) -> metrics."""
         for rec in event.requests:
-            depth = [0] * len(rec.parents)
-            for i, parent in enumerate(rec.parents[1:], start=1):
-                depth[i] = depth[parent] + 1
-            n = len(rec.accepted)
-            deepest = max(depth)
+            n, deepest = len(rec.accepted), rec.max_depth
             self.metrics.observe_accept(n, [1] * deepest, [int(d < n - 1) for d in range(deepest)])
 
     def _finish(self, job: Job, reason: str | None, error: str | None = None) -> None:
