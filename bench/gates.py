@@ -70,6 +70,7 @@ else:  # pragma: no cover - Python 3.10
 
 from bench.io import atomic_write_json
 from tree_dev.server import config as serve_config
+from tree_dev.spec import is_ngram
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = Path(__file__).with_name("gates.toml")
@@ -946,7 +947,7 @@ def stage_serve_vllm(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], di
     if scfg.drafter in ("eagle", "draft"):
         flag = "--eagle-head" if scfg.drafter == "eagle" else "--draft-model"
         tree_argv += [flag, str(scfg.drafter_path)]
-    elif scfg.drafter == "ngram" and not scfg.tree.startswith("ngram:"):  # vLLM's n-gram chain
+    elif scfg.drafter == "ngram" and not is_ngram(scfg.tree):  # vLLM's n-gram chain
         sc = {"method": "ngram", "num_speculative_tokens": serve_config.draft_budget(scfg.tree)}
         tree_argv = ["--speculative-config", json.dumps({**sc, **scfg.speculative_extra})]
     ctx.log_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ def test_install_puts_every_hook_in_place():
     hooks.install()
     not_in_place = [p.target for p in hooks.CATALOGUE if not hooks.installed(p)]
     assert not_in_place == []
-    for name in ("treespec_tree_stats", "treespec_recorded_trees", "treespec_set_debug"):
+    names = ("treespec_tree_stats", "treespec_recorded_trees", "treespec_set_debug")
+    for name in (*names, "treespec_set_tree"):
         assert callable(getattr(WorkerBase, name))
 
 

@@ -59,8 +59,8 @@ def test_trie_takes_vllms_prompt_lookup_range_unless_the_spec_gives_one():
         ({"tree": "chain:4"}, spec("medusa", 4), "method 'medusa'"),
         ({"tree": "ngram:budget=4"}, spec("draft_model", 4), "method 'draft_model'"),
         ({"tree": "chain:4"}, spec("ngram", 4), "method 'ngram'"),
-        ({"tree": "hybrid:k=2,depth=3,budget=8"}, spec(n=8), "local engine only"),
-        ({"tree": "hybrid:k=2,depth=3,budget=8"}, spec("ngram", 8), "local engine only"),
+        ({"tree": "hybrid:k=2,depth=3,budget=8"}, spec("ngram", 8), "method 'ngram'"),
+        ({"tree": "hybrid:k=2,depth=3,budget=8"}, spec(n=6), "has 8 draft nodes"),
         ({"tree": "topk:k=2,k=3,depth=4,budget=8"}, spec(), "'k' given twice"),
         ({"tree": "chain:4", "kernel_backend": "cuda"}, spec(n=4), "kernel_backend"),
         ({"tree": "chain:4", "debug_disable": "walk"}, spec(n=4), "debug_disable"),
@@ -102,6 +102,10 @@ def test_lookahead_covers_every_forwarded_draft_node():
     assert config.lookahead_slots(deep, spec()) == 17
     assert config.lookahead_slots({"tree": "chain:5"}, spec(n=5)) == 5
     assert config.lookahead_slots({"tree": "ngram:budget=8"}, spec("ngram")) == 0
+    # a hybrid tree forwards its top-K part; the trie's nodes are verified, not drafted
+    hybrid = {"tree": "hybrid:k=2,depth=3,budget=8"}
+    assert config.parse(hybrid, spec(n=8)).num_draft_tokens == 8
+    assert config.lookahead_slots(hybrid, spec(n=8)) == 2 * 2 + 1
     assert config.lookahead_slots({"tree": "bogus"}, spec()) == 0  # parse names the error
 
 

@@ -1,4 +1,5 @@
-"""Draft-LM top-K trees inside vLLM (compiled): lossless greedy and sampling, real acceptance.
+"""Draft-LM top-K and hybrid trees inside vLLM (compiled): lossless greedy and sampling,
+real acceptance, the local engine's trees.
 
 One engine for the module: the committed target with the committed draft LM as vLLM's
 ``draft_model`` proposer, a top-K tree through the plugin, torch.compile on, up to 8
@@ -79,13 +80,13 @@ def test_sampling_is_lossless(llm):
     assert_first_tree_token_is_targets(llm, PROMPTS[3][:24], mode="target_only")
 
 
-def _trees_unlike_the_local_engines(recorded: list[dict]) -> list[str]:
+def _trees_unlike_the_local_engines(recorded: list[dict], tree: str = TREE) -> list[str]:
     """Request ids of the plugin's recorded trees that the local engine (HF draft, same
-    context, same expansion) does not grow token for token."""
+    context, same expansion, tree spec ``tree``) does not grow token for token."""
     from tree_dev.engine import Engine
     from tree_dev.engine import SamplingParams as LocalParams
 
-    engine = Engine(TARGET, DRAFT, tree=TREE, max_batch=1, max_model_len=512)
+    engine = Engine(TARGET, DRAFT, tree=tree, max_batch=1, max_model_len=512)
     proposals = []
     grow = engine._propose
     engine._propose = lambda batch: proposals.append(grow(batch)) or proposals[-1]
@@ -109,6 +110,45 @@ def test_both_engines_grow_the_same_tree(llm):
     assert _trees_unlike_the_local_engines(recorded) == []
     forwards = tree_stats(llm)["draft_forwards"]
     assert forwards["causal"] > 0 and forwards["tree"] > 0, forwards
+
+
+HYBRID = "hybrid:k=2,depth=3,budget=8"
+
+
+def test_hybrid_tree_is_lossless_and_grown_as_the_local_engine_does(llm, reference):
+    """The hybrid tree (the draft's top-K tree and the context's n-gram trie under one
+    budget), switched on the running engine (``treespec_set_tree``): lossless on every
+    prompt, 8 concurrent; drafts accepted; its first trees are the local engine's hybrid
+    trees from the same context, and not all of them are the top-K tree alone (the trie
+    added nodes)."""
+    llm.collective_rpc("treespec_set_tree", args=(HYBRID,))
+    llm.collective_rpc("treespec_set_debug", args=(None, 6))  # record the next 6 trees
+    try:
+        before = tree_stats(llm)
+        assert_lossless(llm, PROMPTS, reference, batch1=False)
+        after = tree_stats(llm)
+        recorded = llm.collective_rpc("treespec_recorded_trees")[0]
+        assert after["tree"] == HYBRID
+    finally:
+        llm.collective_rpc("treespec_set_tree", args=(TREE,))
+    steps = after["tree_steps"] - before["tree_steps"]
+    emitted = after["tokens_per_step"] * after["tree_steps"]
+    emitted -= before["tokens_per_step"] * before["tree_steps"]
+    assert steps > 0 and emitted / steps > 1.5, (steps, emitted)
+    assert len(recorded) == 6
+    assert _trees_unlike_the_local_engines(recorded, HYBRID) == []
+    assert _trees_unlike_the_local_engines(recorded, "topk:k=2,depth=3,budget=8")
+
+
+def test_a_tree_switch_the_engine_cannot_serve_is_refused(llm):
+    """A tree whose budget is not num_speculative_tokens, or that forwards more draft nodes
+    than the KV slots reserved at start-up, is refused naming why; the engine keeps its
+    tree."""
+    with pytest.raises(Exception, match="has 4 draft nodes"):
+        llm.collective_rpc("treespec_set_tree", args=("chain:4",))
+    with pytest.raises(Exception, match="forwards 16 draft nodes"):
+        llm.collective_rpc("treespec_set_tree", args=("topk:k=4,depth=5,budget=8",))
+    assert tree_stats(llm)["tree"] == TREE
 
 
 def test_the_same_tree_check_fails_without_the_draft_mask(llm, reference):

@@ -14,7 +14,8 @@ A token's life, top to bottom of this file:
    by cumulative log-probability per level, keep the best ``budget``), or the
    top-K tree merged with the context's n-gram trie (``hybrid:``). Each level is
    one packed draft forward that reuses the draft's KV of earlier levels; the
-   tree-growing rules are ``tree_dev.proposer``'s, shared with the vLLM plugin.
+   catch-up, the levels and the walk are ``tree_dev.step``'s (the tree-growing rules
+   ``tree_dev.proposer``'s), shared with the vLLM plugin: this engine is an adapter.
    ``ngram:`` tries (matches of the context's suffix in prompt + output) need no
    draft model; ``none`` proposes the root alone.
 4. The **target verifies** every node of every request's tree in one packed
@@ -66,6 +67,7 @@ from tree_dev.spec import (
     StaticPolicy,
     parse_tree_spec,
 )
+from tree_dev.step import DepthStats, DraftRequest, Proposal, grow_trees, walk_mode, walk_trees
 from tree_dev.tree import TokenTree, TreeBatch
 
 PREFILL_CHUNK = 256
@@ -81,7 +83,6 @@ _batch_of = lru_cache(maxsize=1024)(_tree_batch)
 _walk_batch = lru_cache(maxsize=1024)(_tree_batch)
 
 
-TRUNK_LIMIT = 32  # catch-up chains up to this long ride along in the draft's first level
 # forwards of at most this many new nodes per request and in all attend row by row
 # (one masked SDPA call per request and layer, no tree plan): decode steps and draft
 # levels on every backend; with the torch backend on the CPU also tree verifies of up
@@ -141,22 +142,34 @@ class Request:
     pending_feats: torch.Tensor | None = None  # EAGLE: target feature before each pending token
     finished: bool = False
     finish_reason: str | None = None
-    steps: int = 0
-    accepted_drafts: int = 0
-    depth_tried: list[int] = field(default_factory=list)  # per depth: steps whose tree reached it
-    depth_accepted: list[int] = field(default_factory=list)  # per depth: steps that accepted it
+    depth: DepthStats = field(default_factory=DepthStats)  # per-depth acceptance so far
+    sampled_drafts: bool = False  # children drawn without replacement from the draft
 
     @property
     def root(self) -> int:
         return (self.prompt + self.output)[-1]
 
-    sampled_drafts: bool = False  # children drawn without replacement from the draft
-
     @property
     def mode(self) -> str:
-        if self.params.temperature == 0:
-            return "greedy"
-        return "draft_probs" if self.sampled_drafts else "target_only"
+        return walk_mode(self.params.temperature, self.sampled_drafts)
+
+    @property
+    def steps(self) -> int:
+        return self.depth.steps
+
+    @property
+    def accepted_drafts(self) -> int:
+        return self.depth.accepted_drafts
+
+    @property
+    def depth_tried(self) -> list[int]:
+        """Per depth: steps whose tree reached it."""
+        return self.depth.tried
+
+    @property
+    def depth_accepted(self) -> list[int]:
+        """Per depth: steps that accepted a draft token there."""
+        return self.depth.accepted
 
     def stats(self) -> dict:
         """Speculative-decoding statistics of this request so far."""
@@ -164,9 +177,7 @@ class Request:
             "steps": self.steps,
             "accepted_draft_tokens": self.accepted_drafts,
             "mean_accepted_length": (len(self.output) / self.steps) if self.steps else 0.0,
-            "acceptance_per_depth": [
-                (a / t if t else 0.0) for a, t in zip(self.depth_accepted, self.depth_tried)
-            ],
+            "acceptance_per_depth": self.depth.acceptance_per_depth(),
         }
 
 
@@ -202,15 +213,6 @@ class StepEvent:
 
     requests: list[RequestStep]
     timings: dict[str, float]
-
-
-@dataclass
-class Proposal:
-    """A request's draft tree: ``parents``/``tokens`` per node (node 0 = root)."""
-
-    tree: TokenTree
-    tokens: list[int]
-    draft_probs: torch.Tensor | None = None  # [N, V] (draft_probs mode)
 
 
 # --------------------------------------------------------------------------- model runner
@@ -694,61 +696,55 @@ class Engine:
         if isinstance(self.policy, NgramPolicy):
             hist = self.ngram_history
             return [Proposal(*ngram_trie(r.prompt + r.output, self.policy, hist)) for r in batch]
+        eagle = self.draft_runner.eagle
+        reqs = []
+        for r in batch:
+            can = not eagle or bool(r.pending)  # an EAGLE head needs the root's feature
+            expansion = expansion_for(
+                self.policy,
+                r.root,
+                context=r.prompt + r.output if isinstance(self.policy, HybridPolicy) else None,
+                sample_temperature=r.params.temperature if r.sampled_drafts else None,
+                generator=r.generator,
+            )
+            trunk, feats = (
+                (r.pending, r.pending_feats if eagle else None) if can else ([r.root], None)
+            )
+            reqs.append(DraftRequest(r.req_id, trunk, r.draft_len, expansion, feats, can))
+        proposals = grow_trees(reqs, self._draft_forward)
+        for r, d in zip(batch, reqs):  # what the draft consumed is in its cache
+            done = d.prefix - r.draft_len
+            r.draft_len = d.prefix
+            r.pending = r.pending[done:]
+            if eagle and r.pending_feats is not None:
+                r.pending_feats = r.pending_feats[done:]
+        return proposals
+
+    def _draft_forward(
+        self,
+        req_ids: list[int],
+        prefixes: list[int],
+        trees: list[TokenTree],
+        new_nodes: list[list[int]],
+        tokens: list[int],
+        feats: torch.Tensor | None,
+        want: list[list[int]] | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The draft runner as ``tree_dev.step.DraftForward``."""
         dr = self.draft_runner
-        # 1. long catch-ups (a new prompt) are prefilled in chunks; short ones (the
-        #    last step's accepted tokens) ride along as the trunk of the first level
-        todo = [r for r in batch if len(r.pending) > TRUNK_LIMIT]
-        if todo:
-            dr.prefill(
-                [r.req_id for r in todo],
-                [r.draft_len for r in todo],
-                [r.pending[:-1] for r in todo],
-                [r.pending_feats[:-1] for r in todo] if dr.eagle else None,
-            )
-            for r in todo:
-                r.draft_len += len(r.pending) - 1
-                r.pending = r.pending[-1:]
-                if dr.eagle:
-                    r.pending_feats = r.pending_feats[-1:]
-        # 2. grow every request's draft tree level by level, one packed forward each
-        growers = [
-            _TreeGrower(r, self.policy, can_draft=not dr.eagle or bool(r.pending)) for r in batch
-        ]
-        active = [g for g in growers if g.ready_to_forward()]
-        while active:
-            new_nodes = [g.next_nodes() for g in active]
-            tokens = [g.fwd_tokens[n] for g, nodes in zip(active, new_nodes) for n in nodes]
-            feats = None
-            if dr.eagle:
-                feats = torch.cat([g.node_feats(nodes) for g, nodes in zip(active, new_nodes)])
-            # logits only at the nodes that grow children (the root, not the trunk)
-            logit_rows, offset = [], 0
-            for g, nodes in zip(active, new_nodes):
-                logit_rows += [offset + i for i in g.growing_rows()]
-                offset += len(nodes)
-            hidden, logits = dr.forward(
-                [g.req.req_id for g in active],
-                [g.req.draft_len for g in active],
-                [tree_of(tuple(g.fwd_parents)) for g in active],
-                new_nodes,
-                tokens,
-                feats=feats,
-                logit_rows=logit_rows,
-            )
-            self.forwards["draft"] += 1
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            for g, lp, h in zip(
-                active,
-                logprobs.split([len(g.growing_rows()) for g in active]),
-                hidden.split([len(n) for n in new_nodes]),
-            ):
-                g.absorb(lp, h)
-            active = [g for g in active if g.ready_to_forward()]
-        for g in growers:  # the trunk and root are committed: keep their draft K/V
-            if g.can_draft:
-                g.req.draft_len += len(g.req.pending)
-                g.req.pending = []
-        return [g.result() for g in growers]
+        if want is None:  # a catch-up chunk: every node of a chain
+            dr.forward(req_ids, prefixes, trees, None, tokens, feats=feats, want_logits=False)
+            return None, None
+        rows, offset = [], 0  # logits only at the wanted rows
+        for nodes, w in zip(new_nodes, want):
+            where = {n: k for k, n in enumerate(nodes)}
+            rows += [offset + where[n] for n in w]
+            offset += len(nodes)
+        hidden, logits = dr.forward(
+            req_ids, prefixes, trees, new_nodes, tokens, feats=feats, logit_rows=rows
+        )
+        self.forwards["draft"] += 1
+        return torch.log_softmax(logits.float(), dim=-1), hidden[rows]
 
     # ----------------------------------------------------------------- acceptance
     def _accept(
@@ -769,91 +765,58 @@ class Engine:
             raise RuntimeError(f"target produced non-finite logits for requests {bad}")
         if all(n == 1 for n in sizes):
             return self._accept_roots(batch, hidden, logits, paths)
-        logit_rows = logits.split(sizes)
+        dev = logits.device
+        res = walk_trees(
+            logits.split(sizes),
+            proposals,
+            [r.mode for r in batch],
+            [r.params.temperature for r in batch],
+            [r.params.top_p for r in batch],
+            [r.generator for r in batch],
+            lambda trees: _walk_batch(trees, dev),
+            self.kernel_backend,
+        )
+        self._compact(batch, res.accepted)
         hidden_rows = hidden.split(sizes)
-        width = 1 + max(p.tree.max_depth for p in proposals)
-        acc_len = torch.zeros(len(batch), dtype=torch.int64)
-        acc_nodes = torch.zeros(len(batch), width, dtype=torch.int64)
-        out_tokens = torch.full((len(batch), width), -1, dtype=torch.int64)
-        for mode in ("greedy", "target_only", "draft_probs"):
-            idx = [i for i, r in enumerate(batch) if r.mode == mode]
-            if not idx:
-                continue
-            tb = _walk_batch(tuple(proposals[i].tree for i in idx), logits.device)
-            kw = {}
-            if mode != "greedy":
-                kw = dict(
-                    uniforms=torch.cat(
-                        [torch.rand(sizes[i], 2, generator=batch[i].generator) for i in idx]
-                    ).to(logits.device),
-                    temperature=torch.tensor([batch[i].params.temperature for i in idx]),
-                    # a float when no request cuts a nucleus: the walk skips its sort
-                    top_p=1.0
-                    if all(batch[i].params.top_p >= 1 for i in idx)
-                    else torch.tensor([batch[i].params.top_p for i in idx]),
-                )
-            if mode == "draft_probs":
-                kw["draft_probs"] = torch.cat(
-                    [
-                        proposals[i].draft_probs
-                        if proposals[i].draft_probs is not None
-                        else torch.zeros(sizes[i], self.vocab_size)  # no children: rows unused
-                        for i in idx
-                    ]
-                ).to(logits.device)
-            res = kernels.tree_walk(
-                torch.cat([logit_rows[i] for i in idx]).float(),
-                torch.tensor([t for i in idx for t in proposals[i].tokens], device=logits.device),
-                tb,
-                mode,
-                backend=self.kernel_backend,
-                check_inputs=False,  # built here: distinct siblings, valid shapes; logits checked
-                **kw,
-            )
-            d = res.accepted_nodes.shape[1]
-            acc_len[idx] = res.accepted_len.cpu()
-            acc_nodes[idx, :d] = res.accepted_nodes.clamp(min=0).cpu()
-            out_tokens[idx, :d] = res.output_tokens.cpu()
-        dev = self.runner.device
-        # compaction moves node j of the path to slot P + j: nothing to move when every
-        # accepted path is nodes 0..n-1 (root-only trees, a chain's accepted prefix)
-        steps = torch.arange(width).expand(len(batch), width)
-        if not bool(((acc_nodes == steps) | (steps >= acc_len[:, None])).all()):
-            kernels.kv_compact(
-                self.runner.cache.k,
-                self.runner.cache.v,
-                torch.tensor([r.target_len for r in batch], device=dev),
-                acc_nodes.to(dev),
-                acc_len.to(dev),
-                self.runner.cache.block_table([r.req_id for r in batch]),
-                backend=self.kernel_backend,
-                check_inputs=False,
-            )
         outs = []
         for i, r in enumerate(batch):
-            n = int(acc_len[i])
-            emitted = out_tokens[i, :n].tolist()
+            nodes, emitted = res.accepted[i], res.emitted[i]
             if paths is not None:
-                paths[r.req_id] = (acc_nodes[i, :n].tolist(), list(emitted))
-            r.steps += 1
-            r.accepted_drafts += n - 1
-            depth = proposals[i].tree.max_depth
-            while len(r.depth_tried) < depth:
-                r.depth_tried.append(0)
-                r.depth_accepted.append(0)
-            for dd in range(depth):
-                r.depth_tried[dd] += 1
-                r.depth_accepted[dd] += int(dd < n - 1)
-            r.target_len += n
+                paths[r.req_id] = (list(nodes), list(emitted))
+            r.depth.record(proposals[i].tree.max_depth, len(nodes) - 1)
+            r.target_len += len(nodes)
             if self.draft_runner is not None:
-                r.pending = list(emitted)
+                r.pending = r.pending + emitted
                 if self.draft_runner.eagle:
-                    r.pending_feats = hidden_rows[i][acc_nodes[i, :n].to(hidden.device)]
+                    f = hidden_rows[i][torch.tensor(nodes, device=hidden.device)]
+                    old = r.pending_feats
+                    r.pending_feats = f if old is None or not len(old) else torch.cat([old, f])
             new = self._commit(r, emitted)
             outs.append(StepOutput(r.req_id, new, r.finished, r.finish_reason))
         for r in [r for r in batch if r.finished]:
             self._release(r)
         return outs
+
+    def _compact(self, batch: list[Request], accepted: list[list[int]]) -> None:
+        """Move every accepted path's K/V to slots ``target_len + j`` (``kernels.kv_compact``);
+        nothing to move when every path is nodes ``0..n-1`` (a chain's accepted prefix)."""
+        if all(nodes == list(range(len(nodes))) for nodes in accepted):
+            return
+        dev = self.runner.device
+        width = max(len(nodes) for nodes in accepted)
+        acc_nodes = torch.zeros(len(batch), width, dtype=torch.int64)
+        for i, nodes in enumerate(accepted):
+            acc_nodes[i, : len(nodes)] = torch.tensor(nodes, dtype=torch.int64)
+        kernels.kv_compact(
+            self.runner.cache.k,
+            self.runner.cache.v,
+            torch.tensor([r.target_len for r in batch], device=dev),
+            acc_nodes.to(dev),
+            torch.tensor([len(nodes) for nodes in accepted], device=dev),
+            self.runner.cache.block_table([r.req_id for r in batch]),
+            backend=self.kernel_backend,
+            check_inputs=False,
+        )
 
     def _accept_roots(
         self,
@@ -868,12 +831,13 @@ class Engine:
         for i, (r, t) in enumerate(zip(batch, self._sample_roots(batch, logits).tolist())):
             if paths is not None:
                 paths[r.req_id] = ([0], [t])
-            r.steps += 1
+            r.depth.record(0, 0)
             r.target_len += 1
             if self.draft_runner is not None:
-                r.pending = [t]
+                r.pending = r.pending + [t]
                 if self.draft_runner.eagle:
-                    r.pending_feats = hidden[i : i + 1]
+                    f, old = hidden[i : i + 1], r.pending_feats
+                    r.pending_feats = f if old is None or not len(old) else torch.cat([old, f])
             new = self._commit(r, [t])
             outs.append(StepOutput(r.req_id, new, r.finished, r.finish_reason))
         for r in [r for r in batch if r.finished]:
@@ -886,10 +850,10 @@ class Engine:
         its generator, inverse CDF of the tempered top-p target distribution at
         ``u[0, 1]``), so a root-only tree emits exactly what ``tree_walk`` would."""
         out = torch.empty(len(batch), dtype=torch.int64)
-        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0]
+        greedy = [i for i, r in enumerate(batch) if r.mode == "greedy"]
         if greedy:
             out[greedy] = logits[greedy].argmax(-1).cpu()
-        rest = [i for i in range(len(batch)) if batch[i].params.temperature != 0]
+        rest = [i for i in range(len(batch)) if batch[i].mode != "greedy"]
         if rest:
             u = torch.cat([torch.rand(1, 2, generator=batch[i].generator) for i in rest])
             p = target_probs(
@@ -919,75 +883,3 @@ class Engine:
                 req.finished, req.finish_reason = True, "length"
                 break
         return new
-
-
-# --------------------------------------------------------------------------- proposers
-class _TreeGrower:
-    """One request's draft bookkeeping around a ``TreeExpansion``.
-
-    The draft's *forwarded* tree (``fwd_parents``/``fwd_tokens``) holds the nodes
-    the draft has run: first the *trunk*, the committed tokens it has not seen yet
-    (``req.pending``, a chain ending in the root), then the expansion's frontier
-    nodes; their K/V sits in the draft cache right after ``req.draft_len``. The
-    expansion (``tree_dev.proposer``) decides which candidates to grow and keep.
-    """
-
-    def __init__(self, req: Request, policy: Policy, can_draft: bool = True):
-        self.req = req
-        self.can_draft = can_draft  # False: an EAGLE head has no feature for this root yet
-        self.expansion = expansion_for(
-            policy,
-            req.root,
-            context=req.prompt + req.output if isinstance(policy, HybridPolicy) else None,
-            sample_temperature=req.params.temperature if req.sampled_drafts else None,
-            generator=req.generator,
-        )
-        trunk = req.pending if can_draft else [req.root]
-        self.root_fwd = len(trunk) - 1  # forwarded index of the root
-        self.fwd_parents = list(range(-1, len(trunk) - 1))
-        self.fwd_tokens = list(trunk)
-        self.fwd_hidden: list[torch.Tensor | None] = [None] * len(trunk)
-        self.cand_fwd: dict[int, int] = {-1: self.root_fwd}
-        self.level = 0
-        growing = can_draft and bool(self.expansion.frontier())
-        self._to_forward = list(range(len(trunk))) if growing else []
-
-    def ready_to_forward(self) -> bool:
-        return bool(self._to_forward)
-
-    def next_nodes(self) -> list[int]:
-        return list(self._to_forward)
-
-    def node_feats(self, nodes: list[int]) -> torch.Tensor:
-        out = []
-        for n in nodes:
-            if n <= self.root_fwd:  # trunk: the target's feature before that token
-                out.append(self.req.pending_feats[n])
-            else:
-                out.append(self.fwd_hidden[self.fwd_parents[n]])
-        return torch.stack(out)
-
-    def growing_rows(self) -> list[int]:
-        """Rows of ``next_nodes()`` that grow children: of the trunk only the root."""
-        return [self.root_fwd] if self.level == 0 else list(range(len(self._to_forward)))
-
-    def absorb(self, logprobs: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Take the draft's output for the nodes just forwarded (``logprobs`` at the
-        ``growing_rows``, ``hidden`` at all); pick the next ones."""
-        for n, h in zip(self._to_forward, hidden):
-            self.fwd_hidden[n] = h
-        self.level += 1
-        ex = self.expansion
-        ex.absorb(logprobs)
-        self._to_forward = []
-        for cand in ex.frontier():
-            self.fwd_parents.append(self.cand_fwd[ex.parent(cand)])
-            self.fwd_tokens.append(ex.token(cand))
-            self.fwd_hidden.append(None)
-            self.cand_fwd[cand] = len(self.fwd_parents) - 1
-            self._to_forward.append(self.cand_fwd[cand])
-
-    def result(self) -> Proposal:
-        """The proposed tree: root + kept candidates, breadth-first."""
-        tree, tokens, q = self.expansion.result()
-        return Proposal(tree, tokens, q)

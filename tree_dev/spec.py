@@ -209,6 +209,18 @@ def _parse_hybrid(spec: str, arg: str) -> HybridPolicy:
     return HybridPolicy(topk, ngram, budget, spec, p)
 
 
+def is_ngram(tree: Policy | str | None) -> bool:
+    """Whether ``tree`` (a policy or a spec string) is the n-gram trie, which drafts from
+    the text itself, with no model. A string that does not parse is not one (its parse
+    names the error where it is used)."""
+    if isinstance(tree, str):
+        try:
+            tree = parse_tree_spec(tree)
+        except ValueError:
+            return False
+    return isinstance(tree, NgramPolicy)
+
+
 def parse_tree_spec(spec: str) -> Policy:
     """Parse a tree spec string; raises ``ValueError`` naming the bad part."""
     if not isinstance(spec, str) or not spec.strip():

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tree_dev.spec import is_ngram
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_SET = REPO / "checkpoints" / "stdlib-v1"
 #: The gates report each engine's server reads at start-up (``python -m bench.gates``).
@@ -308,7 +310,7 @@ def _measured_policy(
         spec, source = read_best_policy(report)
     except ValueError as e:
         parser.error(f"argument --tree-from: {e}")
-    kind = "ngram" if _is_ngram(spec) else read_best_drafter(report)
+    kind = "ngram" if is_ngram(spec) else read_best_drafter(report)
     return kind, spec, source, False
 
 
@@ -331,10 +333,6 @@ def _vllm_e2e_name(name: str) -> tuple[str | None, str, bool]:
 
 def _is_chain(spec: str) -> bool:
     return spec.strip().startswith("chain:")
-
-
-def _is_ngram(spec: str | None) -> bool:
-    return spec is not None and spec.strip().startswith("ngram:")
 
 
 def draft_budget(spec: str) -> int:
@@ -668,7 +666,7 @@ def _policy_from_flags(
             parser.error(f"argument {flag}: {e}")
     tree_flag = next(iter(trees), None)
     tree = trees.get(tree_flag) if tree_flag else None
-    if _is_ngram(tree):  # the n-gram trie drafts from the text itself: no model
+    if is_ngram(tree):  # the n-gram trie drafts from the text itself: no model
         drafters.setdefault(tree_flag, ("ngram", None))
     if len(drafters) > 1:
         (f1, d1), (f2, d2) = list(drafters.items())[:2]
@@ -723,13 +721,13 @@ def _apply_defaults(
         if measured is not None:
             _, pol.tree, pol.source, sampled = measured
             pol.draft_sampling = pol.draft_sampling or sampled
-            if pol.tree != "none" and not _is_ngram(pol.tree):
+            if pol.tree != "none" and not is_ngram(pol.tree):
                 parser.error(
                     f"argument --tree-from: the {pol.source} is {pol.tree!r}, which needs a "
                     f"draft; {model} is a plain checkpoint without one (was the report "
                     "measured on another model?)"
                 )
-        pol.drafter = ("ngram", None) if _is_ngram(pol.tree) else None
+        pol.drafter = ("ngram", None) if is_ngram(pol.tree) else None
     if pol.tree is None:
         if pol.drafter is None:
             pol.tree, pol.source = "none", "no draft given"
@@ -777,7 +775,7 @@ def _check_policy(parser: argparse.ArgumentParser, engine: str, pol: _Policy) ->
         parser.error(
             f"argument {pol.tree_flag}: tree {tree!r} needs a draft (--draft-model or --eagle-head)"
         )
-    if drafter is not None and drafter[0] == "ngram" and engine == "local" and not _is_ngram(tree):
+    if drafter is not None and drafter[0] == "ngram" and engine == "local" and not is_ngram(tree):
         parser.error(
             f"argument {pol.drafter_flag}: the local engine drafts n-grams as a trie: give "
             f"--tree ngram:budget=N (not {tree!r})"

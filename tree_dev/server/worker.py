@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tree_dev.step import DepthStats
+
 log = logging.getLogger("treespec.serve")
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -37,8 +39,7 @@ class Metrics:
         self.accept_buckets = [0] * len(self.accept_edges)
         self.accept_count = 0
         self.accept_sum = 0
-        self.depth_tried: list[int] = []
-        self.depth_accepted: list[int] = []
+        self.depth = DepthStats()  # per-depth acceptance over every verify step
         self.running = 0
         self.waiting = 0
 
@@ -50,19 +51,16 @@ class Metrics:
                 if seconds <= edge:
                     self.step_buckets[i] += 1
 
-    def observe_accept(self, length: int, tried: list[int], accepted: list[int]) -> None:
+    def observe_accept(self, length: int, max_depth: int) -> None:
+        """One request's verify step: it emitted ``length`` tokens from a tree
+        ``max_depth`` deep (``length - 1`` accepted drafts)."""
         with self.lock:
             self.accept_count += 1
             self.accept_sum += length
             for i, edge in enumerate(self.accept_edges):
                 if length <= edge:
                     self.accept_buckets[i] += 1
-            for d, (t, a) in enumerate(zip(tried, accepted)):
-                while len(self.depth_tried) <= d:
-                    self.depth_tried.append(0)
-                    self.depth_accepted.append(0)
-                self.depth_tried[d] += t
-                self.depth_accepted[d] += a
+            self.depth.record(max_depth, length - 1)
 
     def render(self) -> str:
         with self.lock:
@@ -112,8 +110,7 @@ class Metrics:
                 "depth d that accepted a draft token at depth d.",
                 "# TYPE treespec_acceptance_per_depth gauge",
             ]
-            for d, (t, a) in enumerate(zip(self.depth_tried, self.depth_accepted)):
-                rate = a / t if t else 0.0
+            for d, rate in enumerate(self.depth.acceptance_per_depth()):
                 lines.append(f'treespec_acceptance_per_depth{{depth="{d + 1}"}} {rate}')
             return "\n".join(lines) + "\n"
 
@@ -247,8 +244,7 @@ class EngineWorker:
         """Each request's accepted length and per-depth acceptance of one verify step
         (``Engine.on_step``) -> metrics."""
         for rec in event.requests:
-            n, deepest = len(rec.accepted), rec.max_depth
-            self.metrics.observe_accept(n, [1] * deepest, [int(d < n - 1) for d in range(deepest)])
+            self.metrics.observe_accept(len(rec.accepted), rec.max_depth)
 
     def _finish(self, job: Job, reason: str | None, error: str | None = None) -> None:
         req = self.engine.requests.pop(job.req_id, None)  # the engine keeps no history

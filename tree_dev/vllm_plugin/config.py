@@ -7,8 +7,9 @@
 Keys of the ``treespec`` dict read here (other keys belong to the accuracy tooling):
 
 - ``tree``: a tree spec (``tree_dev.spec``): ``topk:...``, ``chain:K``, ``paths:[...]``,
-  ``medusa:NAME`` with ``method`` ``draft_model`` or ``eagle``; ``ngram:budget=N,...`` with
-  ``method`` ``ngram``.
+  ``medusa:NAME``, ``hybrid:...`` (the draft's top-K tree and the context's n-gram trie
+  under one budget) with ``method`` ``draft_model`` or ``eagle``; ``ngram:budget=N,...``
+  with ``method`` ``ngram``.
 - ``kernel_backend``: ``kernels`` backend for tree attention and the walk (default: triton
   on CUDA, torch on the CPU).
 - ``debug_disable``: ``"mask"``, ``"positions"`` or ``"compaction"`` turns that part of tree
@@ -33,7 +34,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tree_dev.spec import HybridPolicy, Policy, StaticPolicy, TopKPolicy, parse_tree_spec
+from tree_dev.spec import (
+    HybridPolicy,
+    NoDraftPolicy,
+    Policy,
+    StaticPolicy,
+    TopKPolicy,
+    is_ngram,
+    parse_tree_spec,
+)
 
 KEY = "treespec"
 MODEL_METHODS = ("draft_model", "eagle")
@@ -67,6 +76,8 @@ def draft_budget(policy: Policy) -> int:
 
 def draft_slots(policy: Policy) -> int:
     """Draft KV slots a proposal needs past the root: one per draft node forwarded."""
+    if isinstance(policy, HybridPolicy):  # the draft forwards the top-K part only
+        return draft_slots(policy.topk)
     if isinstance(policy, TopKPolicy):
         return policy.k * (policy.depth - 1)
     if isinstance(policy, StaticPolicy):
@@ -95,10 +106,6 @@ def lookahead_slots(section: dict, speculative_config: Any) -> int:
         return 0
 
 
-def is_ngram(policy: Policy) -> bool:
-    return type(policy).__name__ == "NgramPolicy"
-
-
 def tree_section(additional_config: Any) -> dict | None:
     """The ``treespec`` dict of an ``additional_config``, if the tree plugin is asked for."""
     if not isinstance(additional_config, dict):
@@ -124,16 +131,9 @@ def parse(
         policy = parse_tree_spec(spec)
     except ValueError as e:
         raise ValueError(f"additional_config['treespec']['tree']: {e}") from None
-    if type(policy).__name__ == "NoDraftPolicy":
+    if isinstance(policy, NoDraftPolicy):
         raise ValueError(
             "additional_config['treespec']['tree'] is 'none': drop speculative_config instead"
-        )
-    if isinstance(policy, HybridPolicy):
-        raise ValueError(
-            f"additional_config['treespec']['tree'] = {spec!r}: hybrid trees (a model draft "
-            "and the n-gram trie in one tree) run in the local engine only, not yet inside "
-            "vLLM; use topk/chain/paths/medusa with draft_model or eagle, or ngram:... with "
-            "method ngram"
         )
     if speculative_config is None:
         raise ValueError(
@@ -150,7 +150,7 @@ def parse(
         raise ValueError(
             f"additional_config['treespec']['tree'] = {spec!r} does not fit speculative_config "
             f"method {method!r}: ngram:... trees go with method 'ngram', model trees "
-            "(topk/chain/paths/medusa) with 'draft_model' or 'eagle'"
+            "(topk/chain/paths/medusa/hybrid) with 'draft_model' or 'eagle'"
         )
     if is_ngram(policy) and not policy.range_given:
         policy = _with_lookup_range(policy, speculative_config)

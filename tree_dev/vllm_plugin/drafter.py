@@ -7,17 +7,14 @@ position by position: for a draft LM the committed tokens; for EAGLE the pairs
 ``(x_{k+1}, h_k)`` of the next token and the target's feature at ``k`` (vLLM's convention:
 pair ``k`` at position ``k``). Its last element is the *root* (the last sampled token).
 
-- **catch-up**: the sequence elements the draft has not consumed (the last step's accepted
-  tokens and the root; the whole prompt on the first step) are written at their own
-  positions. Long catch-ups go first in chunks; a short one rides along as the *trunk* of
-  the first level.
-- **levels**: each level is one packed draft forward over that level's new nodes of every
-  request, with tree attention over the prefix and the node's ancestors; forwarded node
-  ``j`` sits at slot ``root + j`` (the plugin raises the KV slots vLLM reserves past each
-  request's scheduled tokens to cover them: ``config.lookahead_slots``). An EAGLE
-  node's feature is its parent's draft output. The next nodes come from
-  ``tree_dev.proposer.TreeExpansion``, the expansion the local engine runs, so both engines
-  grow the same tree from the same draft scores.
+The tree step itself (catch-up, level growth, the expansion) is ``tree_dev.step``'s, the
+one the local engine runs, so both engines grow the same tree from the same draft scores.
+This module is its vLLM half: ``ModelDrafter.forward`` is the step's ``DraftForward`` on
+vLLM's model and cache. Each level is one packed draft forward over that level's new
+nodes of every request, with tree attention over the prefix and the node's ancestors (a
+causal level through vLLM's own kernel); forwarded node ``j`` sits at slot ``root + j``
+(the plugin raises the KV slots vLLM reserves past each request's scheduled tokens to
+cover them: ``config.lookahead_slots``).
 
 Nothing is recomputed: earlier levels' K/V stay in the draft cache for the later ones.
 """
@@ -26,17 +23,15 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tree_dev.proposer import TreeExpansion, tree_of
+from tree_dev.proposer import expansion_for
+from tree_dev.step import DraftRequest, Proposal, grow_trees
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin.attention import ACTIVE, TreeAttentionMetadata, TreeRows, tree_batch
-
-TRUNK_LIMIT = 32  # catch-ups up to this long ride along in the first level
-CHUNK = 256  # longer ones are prefilled in chunks of this many elements first
 
 
 @dataclass
@@ -53,6 +48,7 @@ class Draftee:
         temperature: draw the children from the draft's distribution at this temperature
             (sampled drafts, static trees); None takes the top-ranked children.
         generator: the request's CPU generator for that draw (None: torch's global one).
+        context: the committed tokens, root last (hybrid trees search it for n-grams).
     """
 
     row: int
@@ -62,21 +58,7 @@ class Draftee:
     feats: torch.Tensor | None = None
     temperature: float | None = None
     generator: torch.Generator | None = None
-
-
-@dataclass
-class _Grower:
-    """One request's forwarded draft tree (trunk chain, then expanded nodes)."""
-
-    d: Draftee
-    prefix: int  # draft KV valid for positions < prefix
-    expansion: TreeExpansion
-    parents: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    feats: list[torch.Tensor] = field(default_factory=list)  # EAGLE: per forwarded node
-    outs: dict[int, torch.Tensor] = field(default_factory=dict)  # EAGLE: node -> output
-    cand_fwd: dict[int, int] = field(default_factory=dict)
-    new: list[int] = field(default_factory=list)
+    context: list[int] | None = None
 
 
 class ModelDrafter:
@@ -249,93 +231,25 @@ class ModelDrafter:
         return metas
 
     # ----------------------------------------------------------------- propose
-    def propose(
-        self, todo: list[Draftee]
-    ) -> list[tuple[TokenTree, list[int], torch.Tensor | None]]:
-        """Each request's tree, grown below the last element of its sequence: the tree,
-        its tokens (root first) and, for sampled drafts, the draft distributions
-        ``[N, V]`` fp32 the children were drawn from (None otherwise)."""
+    def propose(self, todo: list[Draftee]) -> list[tuple[Proposal, int]]:
+        """Each request's tree, grown below the last element of its sequence
+        (``tree_dev.step.grow_trees``), and the draft's cached length afterwards (the
+        elements it consumed stay in its cache)."""
         policy = self.tr.cfg.policy
-        growers = [
-            _Grower(
-                d,
+        reqs = [
+            DraftRequest(
+                d.row,
+                d.seq[d.start :],
                 d.start,
-                TreeExpansion(policy, int(d.seq[-1]), d.temperature, d.generator),
+                expansion_for(
+                    policy, int(d.seq[-1]), d.context, d.temperature, generator=d.generator
+                ),
+                d.feats if self.eagle else None,
             )
             for d in todo
         ]
-        self._catch_up(growers)
-        for g in growers:
-            trunk = g.d.seq[g.prefix :]
-            g.parents = list(range(-1, len(trunk) - 1))
-            g.tokens = list(trunk)
-            if self.eagle:
-                g.feats = list(self._feats(g.d, g.prefix, len(g.d.seq)))
-            g.cand_fwd = {-1: len(trunk) - 1}
-            g.new = list(range(len(trunk)))
-        active = [g for g in growers if g.expansion.frontier()]
-        while active:
-            want = [[g.cand_fwd[c] for c in g.expansion.frontier()] for g in active]
-            feats = None
-            if self.eagle:
-                feats = torch.stack([g.feats[n] for g in active for n in g.new])
-            logprobs, outs = self.forward(
-                [g.d.row for g in active],
-                [g.prefix for g in active],
-                [tree_of(tuple(g.parents)) for g in active],
-                [g.new for g in active],
-                [g.tokens[n] for g in active for n in g.new],
-                feats,
-                want,
-            )
-            if len(active) == 1:  # a split costs more than the rest of the level's Python
-                parts = zip(active, want, (logprobs,), (outs,))
-            else:
-                sizes = [len(w) for w in want]
-                parts = zip(active, want, logprobs.split(sizes), outs.split(sizes))
-            for g, w, lp, out in parts:
-                g.expansion.absorb(lp)
-                g.new = []
-                for node, o in zip(w, out):
-                    g.outs[node] = o
-                for c in g.expansion.frontier():
-                    parent_fwd = g.cand_fwd[g.expansion.parent(c)]
-                    g.parents.append(parent_fwd)
-                    g.tokens.append(g.expansion.token(c))
-                    if self.eagle:
-                        g.feats.append(g.outs[parent_fwd])
-                    g.cand_fwd[c] = len(g.parents) - 1
-                    g.new.append(len(g.parents) - 1)
-            active = [g for g in active if g.new]
-        return [g.expansion.result() for g in growers]
-
-    @staticmethod
-    def _feats(d: Draftee, lo: int, hi: int) -> torch.Tensor:
-        return d.feats[lo - d.start : hi - d.start]
-
-    def _catch_up(self, growers: list[_Grower]) -> None:
-        """Prefill long catch-ups (all before the root beyond TRUNK_LIMIT) in chunks."""
-        while True:
-            todo = [g for g in growers if len(g.d.seq) - 1 - g.prefix > TRUNK_LIMIT]
-            if not todo:
-                return
-            chunks = [min(CHUNK, len(g.d.seq) - 1 - g.prefix) for g in todo]
-            feats = None
-            if self.eagle:
-                feats = torch.cat(
-                    [self._feats(g.d, g.prefix, g.prefix + n) for g, n in zip(todo, chunks)]
-                )
-            self.forward(
-                [g.d.row for g in todo],
-                [g.prefix for g in todo],
-                [tree_of((-1, *range(n - 1))) for n in chunks],
-                [list(range(n)) for n in chunks],
-                [t for g, n in zip(todo, chunks) for t in g.d.seq[g.prefix : g.prefix + n]],
-                feats,
-                None,
-            )
-            for g, n in zip(todo, chunks):
-                g.prefix += n
+        proposals = grow_trees(reqs, self.forward)
+        return [(p, r.prefix) for p, r in zip(proposals, reqs)]
 
 
 def _causal_tail(tree: TokenTree, nodes: list[int]) -> bool:

@@ -157,7 +157,8 @@ def install() -> None:
 
 def _add_worker_methods() -> None:
     """``llm.collective_rpc("treespec_tree_stats")`` / ``("treespec_recorded_trees")`` /
-    ``("treespec_set_debug", args=(part, n))`` (tests)."""
+    ``("treespec_set_debug", args=(part, n))`` / ``("treespec_set_tree", args=(spec,))``
+    (tests)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     from tree_dev.vllm_plugin import runner
@@ -165,6 +166,7 @@ def _add_worker_methods() -> None:
     WorkerBase.treespec_tree_stats = runner.worker_tree_stats
     WorkerBase.treespec_recorded_trees = runner.worker_recorded_trees
     WorkerBase.treespec_set_debug = runner.worker_set_debug
+    WorkerBase.treespec_set_tree = runner.worker_set_tree
 
 
 def _config_post_init(orig):
@@ -327,7 +329,7 @@ CATALOGUE: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.worker.worker_base:WorkerBase",
         "collective_rpc entry points: treespec_tree_stats, treespec_recorded_trees, "
-        "treespec_set_debug",
+        "treespec_set_debug, treespec_set_tree",
         "add",
     ),
     Patch(

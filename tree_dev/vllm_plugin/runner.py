@@ -31,30 +31,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import kernels
 from tree_dev.proposer import NgramHistory, tree_of
+from tree_dev.spec import is_ngram
+from tree_dev.step import GREEDY_TEMPERATURE, DepthStats, Proposal, walk_mode, walk_trees
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin import attention
-from tree_dev.vllm_plugin.config import TreeConfig, draft_slots, is_ngram
-
-
-@dataclass
-class Proposal:
-    """A request's proposed tree: node 0 is the root (the last sampled token)."""
-
-    tree: TokenTree
-    tokens: list[int]
-    draft_probs: torch.Tensor | None = None  # [N, V] fp32: sampled drafts only
+from tree_dev.vllm_plugin.config import TreeConfig, draft_slots
 
 
 @dataclass
 class Stats:
-    """Per-depth acceptance over all tree steps of this runner."""
+    """This runner's tree steps: per-depth acceptance, fallbacks, walks, timings."""
 
-    steps: int = 0
-    emitted: int = 0
-    depth_tried: list[int] = field(default_factory=list)
-    depth_accepted: list[int] = field(default_factory=list)
+    depth: DepthStats = field(default_factory=DepthStats)
     fallback_requests: int = 0
     walks: dict[str, int] = field(default_factory=dict)  # tree walks per mode
     # draft forwards by attention path: "causal" (vLLM's kernel), "tree" (tree attention)
@@ -63,26 +52,14 @@ class Stats:
         default_factory=lambda: {"walk": 0.0, "compact": 0.0, "propose": 0.0}
     )
 
-    def record(self, tree: TokenTree, accepted: int) -> None:
-        self.steps += 1
-        self.emitted += accepted + 1
-        depth = tree.max_depth
-        while len(self.depth_tried) < depth:
-            self.depth_tried.append(0)
-            self.depth_accepted.append(0)
-        for d in range(depth):
-            self.depth_tried[d] += 1
-            self.depth_accepted[d] += int(d < accepted)
-
     def as_dict(self) -> dict:
+        d = self.depth
         return {
-            "tree_steps": self.steps,
-            "tokens_per_step": self.emitted / self.steps if self.steps else 0.0,
-            "acceptance_per_depth": [
-                a / t if t else 0.0 for a, t in zip(self.depth_accepted, self.depth_tried)
-            ],
-            "depth_tried": list(self.depth_tried),
-            "depth_accepted": list(self.depth_accepted),
+            "tree_steps": d.steps,
+            "tokens_per_step": d.tokens_per_step(),
+            "acceptance_per_depth": d.acceptance_per_depth(),
+            "depth_tried": list(d.tried),
+            "depth_accepted": list(d.accepted),
             "fallback_requests": self.fallback_requests,
             "walks": dict(self.walks),
             "draft_forwards": dict(self.draft_forwards),
@@ -130,6 +107,7 @@ class TreeRunner:
     def __init__(self, runner, cfg: TreeConfig):
         self.runner = runner
         self.cfg = cfg
+        self.start_policy = cfg.policy  # the tree the engine reserved KV slots for
         self.proposals: dict[str, Proposal] = {}
         self.draft_len: dict[str, int] = {}
         # an ngram:...,history=H trie: finished requests' tokens, and the running ones'
@@ -297,59 +275,32 @@ class TreeRunner:
         if v is None or spec_meta is None:
             return
         t0 = time.perf_counter()
-        r = self.runner
-        sm = r.input_batch.sampling_metadata
+        sm = self.runner.input_batch.sampling_metadata
         n_sampled = np.asarray(spec_meta.num_draft_tokens, dtype=np.int64) + 1
         starts = np.concatenate([[0], np.cumsum(n_sampled)[:-1]])
+        rows = v.req_index
+        first = [int(starts[i]) for i in rows]
+        res = walk_trees(
+            [logits[f : f + t.num_nodes] for f, t in zip(first, v.trees)],
+            [Proposal(t, toks, q) for t, toks, q in zip(v.trees, v.tokens, v.draft_probs)],
+            [self._mode(sm, v, j) for j in range(len(rows))],
+            sm.temperature[rows].tolist() if sm.temperature is not None else [0.0] * len(rows),
+            sm.top_p[rows].tolist() if sm.top_p is not None else None,
+            [sm.generators.get(i) for i in rows],
+            attention.tree_batch,
+            self.cfg.kernel_backend,
+        )
+        for mode, n in res.walks.items():
+            self.stats.walks[mode] = self.stats.walks.get(mode, 0) + n
         out = sampler_output.sampled_token_ids
         moves = []  # (batch row, prefix, accepted nodes)
-        for mode in ("greedy", "target_only", "draft_probs"):
-            sel = [j for j in range(len(v.req_index)) if self._mode(sm, v, j) == mode]
-            if not sel:
-                continue
-            trees = [v.trees[j] for j in sel]
-            tb = attention.tree_batch(tuple(trees))
-            first = [int(starts[v.req_index[j]]) for j in sel]
-            rows = torch.cat([torch.arange(f, f + t.num_nodes) for f, t in zip(first, trees)])
-            lg = logits[rows].float()
-            tokens = torch.tensor([t for j in sel for t in v.tokens[j]], dtype=torch.int64)
-            kw = {}
-            if mode != "greedy":
-                kw = dict(
-                    uniforms=torch.cat(
-                        [
-                            torch.rand(t.num_nodes, 2, generator=sm.generators.get(v.req_index[j]))
-                            for j, t in zip(sel, trees)
-                        ]
-                    ),
-                    temperature=sm.temperature[[v.req_index[j] for j in sel]].float().cpu(),
-                    top_p=(
-                        sm.top_p[[v.req_index[j] for j in sel]].float().cpu()
-                        if sm.top_p is not None
-                        else 1.0
-                    ),
-                )
-            if mode == "draft_probs":
-                kw["draft_probs"] = torch.cat([v.draft_probs[j] for j in sel])
-                if kw["draft_probs"].shape[1] != lg.shape[1]:
-                    raise RuntimeError(
-                        f"treespec: the draft's vocabulary ({kw['draft_probs'].shape[1]}) "
-                        f"is not the target's ({lg.shape[1]}); draft_sampling needs one"
-                    )
-            self.stats.walks[mode] = self.stats.walks.get(mode, 0) + len(sel)
-            res = kernels.tree_walk(
-                lg, tokens, tb, mode, backend=self.cfg.kernel_backend, check_inputs=False, **kw
-            )
-            acc_len = res.accepted_len.tolist()
-            acc_nodes = res.accepted_nodes.tolist()
-            emitted = res.output_tokens.tolist()
-            for k, j in enumerate(sel):
-                i, n = v.req_index[j], acc_len[k]
-                out[i].fill_(-1)
-                out[i, :n] = torch.tensor(emitted[k][:n], dtype=out.dtype)
-                self.stats.record(v.trees[j], n - 1)
-                moves.append((i, v.prefix_lens[j], acc_nodes[k][:n]))
-                self.accepted[v.req_ids[j]] = acc_nodes[k][:n]
+        for j, i in enumerate(rows):
+            nodes, emitted = res.accepted[j], res.emitted[j]
+            out[i].fill_(-1)
+            out[i, : len(emitted)] = torch.tensor(emitted, dtype=out.dtype)
+            self.stats.depth.record(v.trees[j].max_depth, len(nodes) - 1)
+            moves.append((i, v.prefix_lens[j], nodes))
+            self.accepted[v.req_ids[j]] = nodes
         t1 = time.perf_counter()
         if self.cfg.debug_disable != "compaction":
             self._compact(moves)
@@ -362,9 +313,7 @@ class TreeRunner:
         (``target_only``) or of sampled drafts (``draft_probs``)."""
         if sm.all_greedy or sm.temperature is None:
             return "greedy"
-        if float(sm.temperature[v.req_index[j]]) < _GREEDY_TEMPERATURE:
-            return "greedy"
-        return "target_only" if v.draft_probs[j] is None else "draft_probs"
+        return walk_mode(float(sm.temperature[v.req_index[j]]), v.draft_probs[j] is not None)
 
     def _compact(self, moves: list[tuple[int, int, list[int]]]) -> None:
         """Accepted nodes ``P + node_j`` -> slots ``P + j`` in every target layer."""
@@ -444,7 +393,7 @@ class TreeRunner:
             if sampled:
                 state = r.requests[rid]
                 t = float(state.sampling_params.temperature)
-                if t >= _GREEDY_TEMPERATURE:
+                if t >= GREEDY_TEMPERATURE:
                     temp, gen = t, state.generator
             if self.cfg.method == "eagle":
                 # element k pairs token k + 1 with the target's feature at k
@@ -454,15 +403,20 @@ class TreeRunner:
                     self.feats.pop(rid, None)
                     self.draft_len.pop(rid, None)
                     continue  # no feature history for this request's catch-up
-                draftees.append(Draftee(i, rid, seq, start, feats[start - first :], temp, gen))
+                feats = feats[start - first :]
+                draftees.append(Draftee(i, rid, seq, start, feats, temp, gen, tokens))
             else:
                 start = min(self.draft_len.get(rid, 0), n_tokens - 1)
-                draftees.append(Draftee(i, rid, tokens, start, None, temp, gen))
-        for d, (tree, tokens, q) in zip(draftees, self.drafter.propose(draftees)):
-            self.draft_len[d.rid] = len(d.seq)  # the trunk and root are in the draft cache
+                draftees.append(Draftee(i, rid, tokens, start, None, temp, gen, tokens))
+        for d, (prop, cached) in zip(draftees, self.drafter.propose(draftees)):
+            self.draft_len[d.rid] = cached  # the trunk and root are in the draft cache
             if self.cfg.method == "eagle":
-                self.feats.pop(d.rid, None)  # consumed up to the root
-            self._store(d.rid, tree, tokens, out, d.row, q)
+                if cached == len(d.seq):
+                    self.feats.pop(d.rid, None)  # consumed up to the root
+                else:  # keep the features of what the draft has not consumed
+                    first, feats = self.feats[d.rid]
+                    self.feats[d.rid] = (cached, feats[cached - first :])
+            self._store(d.rid, prop.tree, prop.tokens, out, d.row, prop.draft_probs)
         return out
 
     def _keep_features(self, hidden_states: torch.Tensor) -> None:
@@ -516,9 +470,6 @@ class TreeRunner:
         out[i] = list(tokens[1:])
 
 
-_GREEDY_TEMPERATURE = 1e-5  # vLLM's sampler treats lower temperatures as greedy
-
-
 def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
     return int(row[pos // block_size]) * block_size + pos % block_size
 
@@ -526,7 +477,7 @@ def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
 def worker_tree_stats(worker) -> dict:
     """Per-depth acceptance of a worker's runner: ``llm.collective_rpc("treespec_tree_stats")``."""
     st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
-    return st.stats.as_dict() if st is not None else {}
+    return {"tree": st.cfg.spec, **st.stats.as_dict()} if st is not None else {}
 
 
 def worker_recorded_trees(worker) -> list[dict]:
@@ -558,6 +509,35 @@ def worker_set_debug(worker, disable: str | None, record_trees: int = 0) -> None
         raise ValueError("treespec_set_debug: this engine has no treespec tree (no 'tree' key)")
     st.cfg = dataclasses.replace(st.cfg, debug_disable=disable, record_trees=record_trees)
     st.recorded.clear()
+
+
+def worker_set_tree(worker, spec: str) -> None:
+    """Tests' switch of the tree kind on a running engine: ``llm.collective_rpc(
+    "treespec_set_tree", args=(spec,))`` proposes ``spec`` from the next step on. The new
+    tree must pass the start-up checks (``config.parse``) against the engine's speculative
+    config (so its budget is ``num_speculative_tokens``) and forward no more draft nodes
+    than the KV slots vLLM reserves for the start-up tree (``config.lookahead_slots``).
+    One compiled engine then proves several tree kinds."""
+    import dataclasses
+
+    from tree_dev.vllm_plugin import config
+
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    if st is None:
+        raise ValueError("treespec_set_tree: this engine has no treespec tree (no 'tree' key)")
+    cur = st.cfg
+    section = {"tree": spec, "kernel_backend": cur.kernel_backend}
+    section["draft_sampling"] = cur.draft_sampling
+    new = config.parse(section, st.runner.speculative_config)
+    reserved, needed = config.draft_slots(st.start_policy), config.draft_slots(new.policy)
+    if needed > reserved:
+        raise ValueError(
+            f"treespec_set_tree: {spec!r} forwards {needed} draft nodes past the root; the "
+            f"engine reserved KV slots for {reserved} (its start-up tree {st.start_policy.spec!r})"
+        )
+    st.cfg = dataclasses.replace(cur, spec=new.spec, policy=new.policy)
+    st.history = NgramHistory(getattr(new.policy, "history", 0))
+    st.proposals.clear()
 
 
 class _Profiler:
