@@ -409,86 +409,124 @@ def _setup(runner) -> None:
         st.handles.append(_fault_hook(model, st.cfg["fault_injection"]))
     rep_cfg = st.cfg.get("tensor_replacement")
     if rep_cfg is not None:
-        tensors, ids, modules = _replacement_source(rep_cfg)
-        st.replacer = TensorReplacer(tensors, prompt_token_ids=ids)
-        names = list(modules or st.replacer.modules)
-        known = dict(model.named_modules())
-        missing = [n for n in names if n not in known]
-        if missing:
-            raise ValueError(
-                f"tensor_replacement: unknown module(s) {missing} in {type(model).__name__}"
-            )
-        for n in names:
-            if n not in st.replacer.modules:
-                raise ValueError(f"tensor_replacement: no reference tensors for module '{n}'")
-            feat = tuple(st.replacer.flat[0][n].shape[1:])
-            want = _expected_features(model, n, hidden, vocab)
-            if want is not None and feat != (want,):
-                raise ValueError(
-                    f"tensor_replacement: tensors for module '{n}' have feature shape "
-                    f"{list(feat)} but the module outputs [T, {want}]"
-                )
-        st.replace_modules = names
-        st.handles += _replacement_hooks(model, names)
+        _setup_replacement(st, model, rep_cfg, hidden, vocab)
     cap = st.cfg.get("tensor_capture")
     if cap is not None:
-        modules = list(cap.get("modules") or [])
-        st.lm_head = any(re.fullmatch(p, "lm_head") for p in modules if p)
-        hook_patterns = [p for p in modules if p != "lm_head"]
-        common = dict(dp_rank=dp, tp_rank=tp, capture_filter=cap.get("capture_filter"))
-        if modules:
-            names = (
-                match_modules(model, hook_patterns, strict=cap.get("strict", True))
-                if (hook_patterns)
-                else []
-            )
-            if st.lm_head and "lm_head" in names:
-                names.remove("lm_head")  # never called: logits come from compute_logits
-            layout = tp_layout(model, names)
-            if st.lm_head:  # compute_logits all-gathers the vocabulary shards
-                layout["lm_head"] = {"kind": "replicated"}
-            st.target = ModelCapture(
-                model,
-                [],
-                cap["capture_dir"],
-                strict=False,
-                config=_manifest_cfg(runner, cap, layout),
-                **common,
-            )
-            st.target._capture_names = names + (["lm_head"] if st.lm_head else [])
-            st.handles += _capture_hooks(model, names, st.target.registry)
-        if cap.get("draft_modules"):
-            drafter = getattr(runner, "drafter", None)
-            dmodel = getattr(drafter, "model", None)
-            if dmodel is None:
-                raise ValueError(
-                    "tensor_capture.draft_modules given but speculative decoding with a "
-                    "draft model is not configured"
-                )
-            dnames = match_modules(dmodel, list(cap["draft_modules"]), strict=True)
-            st.draft = ModelCapture(
-                dmodel,
-                [],
-                cap["capture_dir"],
-                subdirectory="draft",
-                strict=False,
-                config=_manifest_cfg(runner, cap, tp_layout(dmodel, dnames)),
-                **common,
-            )
-            st.draft._capture_names = dnames
-            st.handles += _capture_hooks(dmodel, dnames, st.draft.registry)
-            st.handles += _draft_bracket(runner, dmodel)
+        _setup_capture(runner, st, model, cap, dp, tp)
     if st.target is not None:
         TensorRegistry._instance = st.target.registry
     if cap is not None and st.async_writes:  # started now: start-up overlaps compile, warmup
-        for mc in (st.target, st.draft):
-            if mc is not None:
-                mc.writes = WriterProcess(
-                    mc.writer.settings(),
-                    cap.get("max_pending", 64),
-                    hold=os.environ.get("TREESPEC_CAPTURE_HOLD", "1") == "1",
-                )
-                _WRITERS.add(mc.writes)
+        _start_writers(st, cap)
+
+
+def _setup_replacement(
+    st: _RunnerState, model: nn.Module, rep_cfg: Any, hidden: int, vocab: int
+) -> None:
+    """Build the replacer, check its modules against the model and register the hooks."""
+    tensors, ids, modules = _replacement_source(rep_cfg)
+    st.replacer = TensorReplacer(tensors, prompt_token_ids=ids)
+    names = list(modules or st.replacer.modules)
+    known = dict(model.named_modules())
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise ValueError(
+            f"tensor_replacement: unknown module(s) {missing} in {type(model).__name__}"
+        )
+    for n in names:
+        if n not in st.replacer.modules:
+            raise ValueError(f"tensor_replacement: no reference tensors for module '{n}'")
+        feat = tuple(st.replacer.flat[0][n].shape[1:])
+        want = _expected_features(model, n, hidden, vocab)
+        if want is not None and feat != (want,):
+            raise ValueError(
+                f"tensor_replacement: tensors for module '{n}' have feature shape "
+                f"{list(feat)} but the module outputs [T, {want}]"
+            )
+    st.replace_modules = names
+    st.handles += _replacement_hooks(model, names)
+
+
+def _setup_capture(
+    runner, st: _RunnerState, model: nn.Module, cap: dict[str, Any], dp: int, tp: int
+) -> None:
+    """Set up the target model's capture and, with ``draft_modules``, the draft's."""
+    modules = list(cap.get("modules") or [])
+    st.lm_head = any(re.fullmatch(p, "lm_head") for p in modules if p)
+    hook_patterns = [p for p in modules if p != "lm_head"]
+    common = dict(dp_rank=dp, tp_rank=tp, capture_filter=cap.get("capture_filter"))
+    if modules:
+        _setup_target_capture(runner, st, model, cap, hook_patterns, common)
+    if cap.get("draft_modules"):
+        _setup_draft_capture(runner, st, cap, common)
+
+
+def _setup_target_capture(
+    runner,
+    st: _RunnerState,
+    model: nn.Module,
+    cap: dict[str, Any],
+    hook_patterns: list[str],
+    common: dict[str, Any],
+) -> None:
+    """Create the target model's :class:`ModelCapture` and register its hooks."""
+    names = (
+        match_modules(model, hook_patterns, strict=cap.get("strict", True))
+        if (hook_patterns)
+        else []
+    )
+    if st.lm_head and "lm_head" in names:
+        names.remove("lm_head")  # never called: logits come from compute_logits
+    layout = tp_layout(model, names)
+    if st.lm_head:  # compute_logits all-gathers the vocabulary shards
+        layout["lm_head"] = {"kind": "replicated"}
+    st.target = ModelCapture(
+        model,
+        [],
+        cap["capture_dir"],
+        strict=False,
+        config=_manifest_cfg(runner, cap, layout),
+        **common,
+    )
+    st.target._capture_names = names + (["lm_head"] if st.lm_head else [])
+    st.handles += _capture_hooks(model, names, st.target.registry)
+
+
+def _setup_draft_capture(
+    runner, st: _RunnerState, cap: dict[str, Any], common: dict[str, Any]
+) -> None:
+    """Create the draft model's :class:`ModelCapture` and register its hooks and bracket."""
+    drafter = getattr(runner, "drafter", None)
+    dmodel = getattr(drafter, "model", None)
+    if dmodel is None:
+        raise ValueError(
+            "tensor_capture.draft_modules given but speculative decoding with a "
+            "draft model is not configured"
+        )
+    dnames = match_modules(dmodel, list(cap["draft_modules"]), strict=True)
+    st.draft = ModelCapture(
+        dmodel,
+        [],
+        cap["capture_dir"],
+        subdirectory="draft",
+        strict=False,
+        config=_manifest_cfg(runner, cap, tp_layout(dmodel, dnames)),
+        **common,
+    )
+    st.draft._capture_names = dnames
+    st.handles += _capture_hooks(dmodel, dnames, st.draft.registry)
+    st.handles += _draft_bracket(runner, dmodel)
+
+
+def _start_writers(st: _RunnerState, cap: dict[str, Any]) -> None:
+    """Start a :class:`WriterProcess` for each capture (target, draft) that exists."""
+    for mc in (st.target, st.draft):
+        if mc is not None:
+            mc.writes = WriterProcess(
+                mc.writer.settings(),
+                cap.get("max_pending", 64),
+                hold=os.environ.get("TREESPEC_CAPTURE_HOLD", "1") == "1",
+            )
+            _WRITERS.add(mc.writes)
 
 
 def _manifest_cfg(runner, cap: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,48 @@ def _hash_tokens(tokens: Sequence[int]) -> str:
     return hashlib.sha1(json.dumps([int(t) for t in tokens]).encode()).hexdigest()
 
 
+def _slot_table_owners(
+    num_slots: int, num_reqs: int, slot_table: Sequence[tuple[int, int]]
+) -> list[int | None]:
+    """Slot owners from an explicit per-request ``(offset, count)`` table."""
+    owners: list[int | None] = [None] * num_slots
+    if len(slot_table) != num_reqs:
+        raise ValueError(f"slot_table has {len(slot_table)} entries for {num_reqs} requests")
+    for r, (off, cnt) in enumerate(slot_table):
+        if off < 0 or cnt < 0 or off + cnt > num_slots:
+            raise ValueError(f"slot_table[{r}]=({off}, {cnt}) outside {num_slots} slots")
+        for s in range(off, off + cnt):
+            if owners[s] is not None:
+                raise ValueError(f"slot_table: slot {s} claimed by requests {owners[s]} and {r}")
+            owners[s] = r
+    return owners
+
+
+def _prefill_owners(num_slots: int, num_reqs: int, positions: Sequence[int]) -> list[int | None]:
+    """Prefill slot owners: request 0 until the first repeated position (padding after)."""
+    owners: list[int | None] = [None] * num_slots
+    if num_reqs != 1:
+        raise ValueError(f"prefill serves one request per pass, got {num_reqs}")
+    seen: set[int] = set()
+    for s, p in enumerate(positions):
+        if p in seen:
+            break
+        seen.add(p)
+        owners[s] = 0
+    return owners
+
+
+def _decode_owners(num_slots: int, num_reqs: int, tokens_per_req: int) -> list[int | None]:
+    """Decode slot owners: ``slot // tokens_per_req``, padding beyond ``num_reqs``."""
+    owners: list[int | None] = [None] * num_slots
+    if tokens_per_req < 1:
+        raise ValueError(f"tokens_per_req must be >= 1, got {tokens_per_req}")
+    for s in range(num_slots):
+        r = s // tokens_per_req
+        owners[s] = r if r < num_reqs else None
+    return owners
+
+
 class TensorReplacer:
     """Context builder over flattened reference captures.
 
@@ -163,36 +205,12 @@ class TensorReplacer:
         explicit ``slot_table`` of per-request ``(offset, count)``. An explicit
         ``padding_mask`` (True = pad) overrides the inferred padding.
         """
-        owners: list[int | None] = [None] * num_slots
         if slot_table is not None:
-            if len(slot_table) != num_reqs:
-                raise ValueError(
-                    f"slot_table has {len(slot_table)} entries for {num_reqs} requests"
-                )
-            for r, (off, cnt) in enumerate(slot_table):
-                if off < 0 or cnt < 0 or off + cnt > num_slots:
-                    raise ValueError(f"slot_table[{r}]=({off}, {cnt}) outside {num_slots} slots")
-                for s in range(off, off + cnt):
-                    if owners[s] is not None:
-                        raise ValueError(
-                            f"slot_table: slot {s} claimed by requests {owners[s]} and {r}"
-                        )
-                    owners[s] = r
+            owners = _slot_table_owners(num_slots, num_reqs, slot_table)
         elif is_prefill:
-            if num_reqs != 1:
-                raise ValueError(f"prefill serves one request per pass, got {num_reqs}")
-            seen: set[int] = set()
-            for s, p in enumerate(positions):
-                if p in seen:
-                    break
-                seen.add(p)
-                owners[s] = 0
+            owners = _prefill_owners(num_slots, num_reqs, positions)
         else:
-            if tokens_per_req < 1:
-                raise ValueError(f"tokens_per_req must be >= 1, got {tokens_per_req}")
-            for s in range(num_slots):
-                r = s // tokens_per_req
-                owners[s] = r if r < num_reqs else None
+            owners = _decode_owners(num_slots, num_reqs, tokens_per_req)
         if padding_mask is not None:
             if len(padding_mask) != num_slots:
                 raise ValueError(

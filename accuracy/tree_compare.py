@@ -75,6 +75,77 @@ def _dense_index(dense: list[CapturedForwardPass]) -> dict[int, tuple[int, int, 
     return {**any_, **newest}
 
 
+def _per_request_inputs(
+    tree: TreeMetadata,
+    dense_passes: list[CapturedForwardPass] | dict[int, list[CapturedForwardPass]],
+    accepted_nodes: list[int] | dict[int, list[int]] | None,
+) -> tuple[dict[int, list[CapturedForwardPass]], dict[int, list[int]] | None]:
+    """``dense_passes`` and ``accepted_nodes`` as ``{request: ...}`` dicts."""
+    R = tree.num_requests
+    if isinstance(dense_passes, dict):
+        dense_by_req = dense_passes
+    elif R == 1:
+        dense_by_req = {0: dense_passes}
+    else:
+        raise ValueError(f"tree has {R} requests: pass dense_passes as {{request: passes}}")
+    if accepted_nodes is not None and not isinstance(accepted_nodes, dict):
+        if R != 1:
+            raise ValueError(f"tree has {R} requests: pass accepted_nodes as {{request: nodes}}")
+        accepted_nodes = {0: list(accepted_nodes)}
+    return dense_by_req, accepted_nodes
+
+
+def _candidate_slots(
+    tree: TreeMetadata,
+    r: int,
+    accepted_nodes: dict[int, list[int]] | None,
+    tokens: list[int] | None,
+) -> list[int] | None:
+    """Tree slots of request ``r`` to try pairing (None: request has no accepted path)."""
+    base = tree.cu_nodes[r]
+    slots = range(base, tree.cu_nodes[r + 1])
+    if accepted_nodes is None:
+        if tokens is None:
+            raise ValueError("no tree tokens: pass accepted_nodes or store tokens")
+        return list(slots)
+    acc = accepted_nodes.get(r)
+    if acc is None:
+        return None
+    for a, b in zip(acc, acc[1:], strict=False):
+        if not 0 <= b < len(slots) or tree.parents[base + b] != a:
+            raise ValueError(f"request {r}: accepted node {b} is not a child of {a}")
+    if acc and tree.parents[base + acc[0]] != -1:
+        raise ValueError(f"request {r}: accepted path must start at the root")
+    return [base + n for n in acc]
+
+
+def _path_matches(
+    tree: TreeMetadata,
+    r: int,
+    s: int,
+    index: dict[int, tuple[int, int, int | None]],
+    positions: list[int],
+    tokens: list[int] | None,
+    accepted: bool,
+) -> bool:
+    """Whether the dense reference covers slot ``s``'s root-to-node path with its tokens."""
+    base = tree.cu_nodes[r]
+    for p in tree.path_slots(s):
+        hit = index.get(positions[p])
+        if hit is None:
+            return False
+        if tokens is not None and hit[2] is not None and hit[2] != tokens[p]:
+            if accepted:
+                raise ValueError(
+                    f"request {r}: accepted node {p - base} has token {tokens[p]} but "
+                    f"the dense reference has {hit[2]} at position {positions[p]}"
+                )
+            return False
+        if tokens is not None and hit[2] is None and not accepted:
+            raise ValueError("dense passes carry no token_ids: pass accepted_nodes")
+    return True
+
+
 def pair_tree_nodes_with_dense_steps(
     tree_pass: CapturedForwardPass,
     dense_passes: list[CapturedForwardPass] | dict[int, list[CapturedForwardPass]],
@@ -96,61 +167,21 @@ def pair_tree_nodes_with_dense_steps(
         (accepted path not a path, token mismatch on it, missing tokens/positions).
     """
     tree = _tree_of(tree_pass)
-    R = tree.num_requests
-    if isinstance(dense_passes, dict):
-        dense_by_req = dense_passes
-    elif R == 1:
-        dense_by_req = {0: dense_passes}
-    else:
-        raise ValueError(f"tree has {R} requests: pass dense_passes as {{request: passes}}")
-    if accepted_nodes is not None and not isinstance(accepted_nodes, dict):
-        if R != 1:
-            raise ValueError(f"tree has {R} requests: pass accepted_nodes as {{request: nodes}}")
-        accepted_nodes = {0: list(accepted_nodes)}
+    dense_by_req, accepted_nodes = _per_request_inputs(tree, dense_passes, accepted_nodes)
     positions = tree.positions or tree_pass.metadata.positions
     if len(positions) < len(tree.parents):
         raise ValueError(f"{tree_pass.dir_name}: fewer positions than tree nodes")
     tokens = tree.tokens or tree_pass.metadata.token_ids
     pairs: list[TreeNodePair] = []
-    for r in range(R):
+    for r in range(tree.num_requests):
         if r not in dense_by_req:
             continue
         index = _dense_index(dense_by_req[r])
-        base = tree.cu_nodes[r]
-        slots = range(base, tree.cu_nodes[r + 1])
-        if accepted_nodes is not None:
-            acc = accepted_nodes.get(r)
-            if acc is None:
-                continue
-            for a, b in zip(acc, acc[1:], strict=False):
-                if not 0 <= b < len(slots) or tree.parents[base + b] != a:
-                    raise ValueError(f"request {r}: accepted node {b} is not a child of {a}")
-            if acc and tree.parents[base + acc[0]] != -1:
-                raise ValueError(f"request {r}: accepted path must start at the root")
-            candidates = [base + n for n in acc]
-        else:
-            if tokens is None:
-                raise ValueError("no tree tokens: pass accepted_nodes or store tokens")
-            candidates = list(slots)
+        candidates = _candidate_slots(tree, r, accepted_nodes, tokens)
+        if candidates is None:
+            continue
         for s in candidates:
-            path = tree.path_slots(s)
-            ok = True
-            for p in path:
-                hit = index.get(positions[p])
-                if hit is None:
-                    ok = False
-                    break
-                if tokens is not None and hit[2] is not None and hit[2] != tokens[p]:
-                    if accepted_nodes is not None:
-                        raise ValueError(
-                            f"request {r}: accepted node {p - base} has token {tokens[p]} but "
-                            f"the dense reference has {hit[2]} at position {positions[p]}"
-                        )
-                    ok = False
-                    break
-                if tokens is not None and hit[2] is None and accepted_nodes is None:
-                    raise ValueError("dense passes carry no token_ids: pass accepted_nodes")
-            if ok:
+            if _path_matches(tree, r, s, index, positions, tokens, accepted_nodes is not None):
                 i, j, _ = index[positions[s]]
                 pairs.append(
                     TreeNodePair(r, tree.node_ids[s], tree.depths[s], positions[s], s, i, j)

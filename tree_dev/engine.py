@@ -420,6 +420,20 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreT
     return AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True).eval()
 
 
+def _switch_linears(models, onednn_linear: bool | None, narrow_linear: bool | None) -> None:
+    """Route the models' linear layers through oneDNN and/or ``narrow_gemm`` (None: where
+    this CPU gains from it)."""
+    if onednn_linear is None:
+        onednn_linear = onednn_faster()
+    if narrow_linear is None:
+        narrow_linear = narrow_available()
+    for model in models:
+        if model is not None and onednn_linear:
+            use_onednn_linears(model)
+        if model is not None and narrow_linear:  # after oneDNN: it keeps the wide inputs
+            use_narrow_linears(model)
+
+
 # --------------------------------------------------------------------------- engine
 class Engine:
     """Tree speculative decoding over a target and a draft (LM or EAGLE head).
@@ -482,24 +496,67 @@ class Engine:
             target = load_causal_lm(target)
         if isinstance(draft, (str, Path)):
             draft = load_causal_lm(draft, dtype=next(target.parameters()).dtype)
+        draft, eagle = self._drafter_models(target, draft, eagle, tree)
+        if max_batch < 1 or max_model_len < 2:
+            raise ValueError(
+                f"max_batch must be >= 1 and max_model_len >= 2, got {max_batch}, {max_model_len}"
+            )
+        self._check_kernel_limit(target, kernel_backend, tree)
+        register()
+        self.target = target.eval()
+        self.target.set_attn_implementation("treespec")
+        self.kernel_backend = kernel_backend
+        self.max_batch = max_batch
+        self.max_model_len = max_model_len
+        self.vocab_size = target.config.vocab_size
+        eos = target.config.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_ids = set(
+            eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        )
+        blocks = max_batch * -(
+            -(max_model_len + self.policy.max_nodes + PREFILL_CHUNK) // block_size
+        )
+        self.runner = Runner(
+            target,
+            *_attn_geometry(target.config),
+            blocks,
+            block_size,
+            kernel_backend,
+            tree_kernel=tree_kernel,
+        )
+        self.draft_runner = self._draft_runner(draft, eagle, blocks, block_size)
+        _switch_linears(
+            (target, draft if draft is not None else eagle), onednn_linear, narrow_linear
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+        self.timings = {"draft": 0.0, "verify": 0.0, "walk": 0.0, "prefill": 0.0}
+        self.forwards = {"target": 0, "draft": 0}
+        self._step_listeners: list[Callable[[StepEvent], None]] = []
+
+    def _drafter_models(self, target, draft, eagle, tree: str) -> tuple:
+        """``(draft, eagle)`` this engine runs: both None where the tree needs no draft
+        (plain decoding, n-gram tries); ValueError for a missing, doubled or mismatched
+        draft."""
         if draft is not None and eagle is not None:
             raise ValueError("give either a draft model or an EAGLE head, not both")
         uses_draft = not isinstance(self.policy, (NoDraftPolicy, NgramPolicy))
         if uses_draft and draft is None and eagle is None:
             raise ValueError(f"tree {tree!r} needs a draft model or an EAGLE head")
+        if not uses_draft:  # plain decoding and n-gram tries run no draft
+            return None, None
         vocab = target.config.vocab_size
         drafter = draft if draft is not None else eagle
-        if not uses_draft:  # plain decoding and n-gram tries run no draft
-            drafter = draft = eagle = None
-        if drafter is not None and drafter.config.vocab_size != vocab:
+        if drafter.config.vocab_size != vocab:
             raise ValueError(
                 f"draft vocabulary ({drafter.config.vocab_size}) differs from "
                 f"the target's ({vocab})"
             )
-        if max_batch < 1 or max_model_len < 2:
-            raise ValueError(
-                f"max_batch must be >= 1 and max_model_len >= 2, got {max_batch}, {max_model_len}"
-            )
+        return draft, eagle
+
+    def _check_kernel_limit(self, target, kernel_backend: str, tree: str) -> None:
         dev = next(target.parameters()).device
         attn_fn = kernels._resolve("tree_attention", kernel_backend, dev)
         limit = getattr(attn_fn, "max_tree_nodes", None)
@@ -508,58 +565,26 @@ class Engine:
                 f"tree {tree!r} has up to {self.policy.max_nodes} nodes; kernel backend "
                 f"{kernel_backend!r} supports at most {limit}"
             )
-        register()
-        self.target = target.eval()
-        self.target.set_attn_implementation("treespec")
-        self.kernel_backend = kernel_backend
-        self.max_batch = max_batch
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab
-        eos = target.config.eos_token_id if eos_token_id is None else eos_token_id
-        self.eos_ids = set(
-            eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
-        )
-        per_req = -(-(max_model_len + self.policy.max_nodes + PREFILL_CHUNK) // block_size)
-        self.runner = Runner(
-            target,
-            *_attn_geometry(target.config),
-            max_batch * per_req,
+
+    def _draft_runner(self, draft, eagle, blocks: int, block_size: int) -> Runner | None:
+        """The draft LM's or EAGLE head's runner (None without one)."""
+        drafter = draft if draft is not None else eagle
+        if drafter is None:
+            return None
+        drafter.eval()
+        if eagle is not None:
+            eagle.config._attn_implementation = "treespec"
+            eagle.decoder.set_attn_implementation("treespec")
+        else:
+            drafter.set_attn_implementation("treespec")
+        return Runner(
+            drafter,
+            *_attn_geometry(drafter.config),
+            blocks,
             block_size,
-            kernel_backend,
-            tree_kernel=tree_kernel,
+            self.kernel_backend,
+            eagle=eagle is not None,
         )
-        self.draft_runner = None
-        if drafter is not None:
-            drafter.eval()
-            if eagle is not None:
-                eagle.config._attn_implementation = "treespec"
-                eagle.decoder.set_attn_implementation("treespec")
-            else:
-                drafter.set_attn_implementation("treespec")
-            self.draft_runner = Runner(
-                drafter,
-                *_attn_geometry(drafter.config),
-                max_batch * per_req,
-                block_size,
-                kernel_backend,
-                eagle=eagle is not None,
-            )
-        if onednn_linear is None:
-            onednn_linear = onednn_faster()
-        if narrow_linear is None:
-            narrow_linear = narrow_available()
-        for model in (target, drafter):
-            if model is not None and onednn_linear:
-                use_onednn_linears(model)
-            if model is not None and narrow_linear:  # after oneDNN: it keeps the wide inputs
-                use_narrow_linears(model)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[int, Request] = {}
-        self._next_id = 0
-        self.timings = {"draft": 0.0, "verify": 0.0, "walk": 0.0, "prefill": 0.0}
-        self.forwards = {"target": 0, "draft": 0}
-        self._step_listeners: list[Callable[[StepEvent], None]] = []
 
     # ----------------------------------------------------------------- public API
     def on_step(self, listener: Callable[[StepEvent], None]) -> None:

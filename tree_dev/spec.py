@@ -234,37 +234,54 @@ def parse_tree_spec(spec: str) -> Policy:
             f"unknown tree spec {spec!r}; expected none, chain:K, paths:[...], "
             "medusa:NAME, topk:k=..,depth=..,budget=.., ngram:budget=.. or hybrid:.."
         )
-    if kind == "chain":
-        try:
-            k = int(arg)
-        except ValueError:
-            raise ValueError(f"chain length in {spec!r} is not an integer") from None
-        if k < 1:
-            raise ValueError(f"chain length must be >= 1 in {spec!r}")
-        return StaticPolicy(TokenTree.chain(k), spec)
-    if kind == "paths":
-        try:
-            paths = ast.literal_eval(arg)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"paths in {spec!r} are not a Python literal list of tuples") from None
-        if not isinstance(paths, (list, tuple)) or not paths:
-            raise ValueError(f"paths in {spec!r} must be a non-empty list of tuples")
-        return StaticPolicy(TokenTree.from_paths([tuple(p) for p in paths]), spec)
-    if kind == "medusa":
-        if arg not in PRESETS:
-            raise ValueError(f"unknown medusa tree {arg!r}; known: {sorted(PRESETS)}")
-        return StaticPolicy(TokenTree.preset(arg), spec)
-    if kind == "topk":
-        fields = _int_fields(spec, arg, ("k", "depth", "budget"), floats=("temp",))
-        temp = fields.pop("temp", 1.0)
-        if not 0 < temp < float("inf"):
-            raise ValueError(f"temp must be > 0 in {spec!r}")
-        missing = {"k", "depth", "budget"} - set(fields)
-        if missing:
-            raise ValueError(f"{spec!r} is missing {sorted(missing)}")
-        return TopKPolicy(int(fields["k"]), int(fields["depth"]), int(fields["budget"]), spec, temp)
-    if kind == "ngram":
-        return _parse_ngram(spec, arg)
-    if kind == "hybrid":
-        return _parse_hybrid(spec, arg)
+    parse = _PARSERS.get(kind)
+    if parse is not None:
+        return parse(spec, arg)
     raise ValueError(f"unknown tree spec kind {kind!r} in {spec!r}")
+
+
+def _parse_chain(spec: str, arg: str) -> StaticPolicy:
+    try:
+        k = int(arg)
+    except ValueError:
+        raise ValueError(f"chain length in {spec!r} is not an integer") from None
+    if k < 1:
+        raise ValueError(f"chain length must be >= 1 in {spec!r}")
+    return StaticPolicy(TokenTree.chain(k), spec)
+
+
+def _parse_paths(spec: str, arg: str) -> StaticPolicy:
+    try:
+        paths = ast.literal_eval(arg)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"paths in {spec!r} are not a Python literal list of tuples") from None
+    if not isinstance(paths, (list, tuple)) or not paths:
+        raise ValueError(f"paths in {spec!r} must be a non-empty list of tuples")
+    return StaticPolicy(TokenTree.from_paths([tuple(p) for p in paths]), spec)
+
+
+def _parse_medusa(spec: str, arg: str) -> StaticPolicy:
+    if arg not in PRESETS:
+        raise ValueError(f"unknown medusa tree {arg!r}; known: {sorted(PRESETS)}")
+    return StaticPolicy(TokenTree.preset(arg), spec)
+
+
+def _parse_topk(spec: str, arg: str) -> TopKPolicy:
+    fields = _int_fields(spec, arg, ("k", "depth", "budget"), floats=("temp",))
+    temp = fields.pop("temp", 1.0)
+    if not 0 < temp < float("inf"):
+        raise ValueError(f"temp must be > 0 in {spec!r}")
+    missing = {"k", "depth", "budget"} - set(fields)
+    if missing:
+        raise ValueError(f"{spec!r} is missing {sorted(missing)}")
+    return TopKPolicy(int(fields["k"]), int(fields["depth"]), int(fields["budget"]), spec, temp)
+
+
+_PARSERS = {
+    "chain": _parse_chain,
+    "paths": _parse_paths,
+    "medusa": _parse_medusa,
+    "topk": _parse_topk,
+    "ngram": _parse_ngram,
+    "hybrid": _parse_hybrid,
+}

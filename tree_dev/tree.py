@@ -53,6 +53,42 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return bits.sum(dim=-1)  # disjoint bits: sum == bitwise or (mod 2**64)
 
 
+def _node_id(x: str | int) -> int:
+    """An adjacency node id: an int >= 0 (or its string)."""
+    try:
+        v = int(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"node id {x!r} is not an integer") from None
+    if v < 0:
+        raise ValueError(f"node id {x!r} is negative")
+    return v
+
+
+def _adjacency_edges(
+    adjacency: Mapping[str | int, Sequence[str | int]],
+) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """``(children per node, parent per node)`` of an adjacency dict; ValueError naming a
+    node listed twice, its own child, with two parents, or the root as a child."""
+    children: dict[int, list[int]] = {}
+    parent_of: dict[int, int] = {}
+    for key, kids in adjacency.items():
+        p = _node_id(key)
+        if p in children:
+            raise ValueError(f"node {key!r} listed twice")
+        children[p] = []
+        for kid in kids:
+            c = _node_id(kid)
+            if c == p:
+                raise ValueError(f"node {c}: its own child (a cycle)")
+            if c in parent_of:
+                raise ValueError(f"node {c}: two parents ({parent_of[c]} and {p}), or a cycle")
+            if c == 0:
+                raise ValueError(f"node 0 is the root but is listed as a child of {p}")
+            parent_of[c] = p
+            children[p].append(c)
+    return children, parent_of
+
+
 class TokenTree:
     """A token tree in canonical form.
 
@@ -169,32 +205,7 @@ class TokenTree:
         nodes are errors.
         """
 
-        def node_id(x: str | int) -> int:
-            try:
-                v = int(x)
-            except (TypeError, ValueError):
-                raise ValueError(f"node id {x!r} is not an integer") from None
-            if v < 0:
-                raise ValueError(f"node id {x!r} is negative")
-            return v
-
-        children: dict[int, list[int]] = {}
-        parent_of: dict[int, int] = {}
-        for key, kids in adjacency.items():
-            p = node_id(key)
-            if p in children:
-                raise ValueError(f"node {key!r} listed twice")
-            children[p] = []
-            for kid in kids:
-                c = node_id(kid)
-                if c == p:
-                    raise ValueError(f"node {c}: its own child (a cycle)")
-                if c in parent_of:
-                    raise ValueError(f"node {c}: two parents ({parent_of[c]} and {p}), or a cycle")
-                if c == 0:
-                    raise ValueError(f"node 0 is the root but is listed as a child of {p}")
-                parent_of[c] = p
-                children[p].append(c)
+        children, parent_of = _adjacency_edges(adjacency)
         all_ids = set(children) | set(parent_of)
         if not all_ids:
             all_ids = {0}

@@ -408,53 +408,67 @@ def _vllm_speculative_config(
             f"argument {flag}: method {method!r} is not supported; use one of "
             f"{sorted(VLLM_METHODS)}"
         )
-    drafter = None
-    if method == "ngram":
-        if model is not None:
-            raise _FlagError(f"argument {flag}: method 'ngram' takes no 'model'")
-        drafter = ("ngram", None)
-    elif model is not None:
-        if not isinstance(model, str) or not model:
-            raise _FlagError(f"argument {flag}: 'model' must be a path string")
-        drafter = (VLLM_METHODS[method], Path(model))
-    elif method is not None:
-        raise _FlagError(f"argument {flag}: method {method!r} needs a 'model'")
+    drafter = _vllm_drafter(flag, method, model)
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise _FlagError(f"argument {flag}: num_speculative_tokens must be an integer >= 1")
     if plugin_tree is not None:
-        if tree_raw is not None:
-            raise _FlagError(
-                f"argument {flag}: speculative_token_tree not allowed with "
-                "--additional-config's treespec tree"
-            )
-        try:
-            budget = draft_budget(plugin_tree)
-        except ValueError as e:
-            raise _FlagError(f"argument --additional-config: treespec tree: {e}") from None
-        if k is not None and k != budget:
-            raise _FlagError(
-                f"argument {flag}: num_speculative_tokens={k} must equal the draft-node "
-                f"budget {budget} of the --additional-config tree {plugin_tree!r}"
-            )
+        _check_plugin_budget(flag, plugin_tree, k, tree_raw)
         return None, drafter, sc
     if tree_raw is not None:
-        try:
-            paths = ast.literal_eval(tree_raw) if isinstance(tree_raw, str) else tree_raw
-            paths = [tuple(p) for p in paths]
-        except (ValueError, SyntaxError, TypeError):
-            raise _FlagError(
-                f"argument {flag}: speculative_token_tree is not a list of tuples"
-            ) from None
-        depth = max((len(p) for p in paths), default=0)
-        if k is not None and k != depth:
-            raise _FlagError(
-                f"argument {flag}: num_speculative_tokens={k} contradicts "
-                f"speculative_token_tree of depth {depth}"
-            )
-        return f"paths:{paths!r}", drafter, sc
+        return _token_tree_spec(flag, tree_raw, k), drafter, sc
     if k is not None:
         return f"chain:{k}", drafter, sc
     return None, drafter, sc
+
+
+def _vllm_drafter(flag: str, method: str | None, model: Any) -> tuple[str, Path | None] | None:
+    """``(drafter kind, path)`` of vLLM's speculative method and model (None: neither)."""
+    if method == "ngram":
+        if model is not None:
+            raise _FlagError(f"argument {flag}: method 'ngram' takes no 'model'")
+        return ("ngram", None)
+    if model is not None:
+        if not isinstance(model, str) or not model:
+            raise _FlagError(f"argument {flag}: 'model' must be a path string")
+        return (VLLM_METHODS[method], Path(model))
+    if method is not None:
+        raise _FlagError(f"argument {flag}: method {method!r} needs a 'model'")
+    return None
+
+
+def _check_plugin_budget(flag: str, plugin_tree: str, k: int | None, tree_raw: Any) -> None:
+    """With the plugin's tree, ``num_speculative_tokens`` is its budget; no vLLM tree."""
+    if tree_raw is not None:
+        raise _FlagError(
+            f"argument {flag}: speculative_token_tree not allowed with "
+            "--additional-config's treespec tree"
+        )
+    try:
+        budget = draft_budget(plugin_tree)
+    except ValueError as e:
+        raise _FlagError(f"argument --additional-config: treespec tree: {e}") from None
+    if k is not None and k != budget:
+        raise _FlagError(
+            f"argument {flag}: num_speculative_tokens={k} must equal the draft-node "
+            f"budget {budget} of the --additional-config tree {plugin_tree!r}"
+        )
+
+
+def _token_tree_spec(flag: str, tree_raw: Any, k: int | None) -> str:
+    """vLLM's ``speculative_token_tree`` (a list of paths) as a ``paths:`` spec."""
+    try:
+        paths = ast.literal_eval(tree_raw) if isinstance(tree_raw, str) else tree_raw
+        paths = [tuple(p) for p in paths]
+    except (ValueError, SyntaxError, TypeError):
+        msg = f"argument {flag}: speculative_token_tree is not a list of tuples"
+        raise _FlagError(msg) from None
+    depth = max((len(p) for p in paths), default=0)
+    if k is not None and k != depth:
+        raise _FlagError(
+            f"argument {flag}: num_speculative_tokens={k} contradicts "
+            f"speculative_token_tree of depth {depth}"
+        )
+    return f"paths:{paths!r}"
 
 
 def _sglang_flags(a: argparse.Namespace) -> tuple[str | None, tuple[str, Path | None] | None, str]:
@@ -608,45 +622,8 @@ def _policy_from_flags(
 ) -> tuple[_Policy, dict[str, Any], dict[str, Any]]:
     """The tree and draft the flags give (project, vLLM and SGLang forms), with vLLM's
     extra keys; two flags that disagree are an error naming both."""
-    from tree_dev.spec import parse_tree_spec
-
-    trees: dict[str, str] = {}  # flag -> tree spec
-    drafters: dict[str, tuple[str, Path | None]] = {}  # flag -> (kind, path)
-    spec_extra: dict[str, Any] = {}
-    add_extra: dict[str, Any] = {}
-    draft_sampling = a.draft_sampling
     try:
-        if a.tree is not None:
-            trees["--tree"] = a.tree
-        if a.draft_model is not None:
-            drafters["--draft-model"] = ("draft", a.draft_model)
-        if a.eagle_head is not None:
-            drafters["--eagle-head"] = ("eagle", a.eagle_head)
-        plugin_tree = None
-        if a.additional_config is not None:
-            plugin_tree, sampling, add_extra = _additional_config(a.additional_config)
-            draft_sampling = draft_sampling or sampling
-            if plugin_tree is not None:
-                trees["--additional-config"] = plugin_tree
-        if a.speculative_config is not None:
-            spec, drafter, spec_extra = _vllm_speculative_config(a.speculative_config, plugin_tree)
-            if spec is not None:
-                trees["--speculative-config"] = spec
-            if drafter is not None:
-                drafters["--speculative-config"] = drafter
-        sglang = (
-            a.speculative_algorithm,
-            a.speculative_draft_model_path,
-            a.speculative_eagle_topk,
-            a.speculative_num_steps,
-            a.speculative_num_draft_tokens,
-        )
-        if any(v is not None for v in sglang):
-            spec, drafter, flag = _sglang_flags(a)
-            if spec is not None:
-                trees[flag] = spec
-            if drafter is not None:
-                drafters["--speculative-draft-model-path"] = drafter
+        trees, drafters, spec_extra, add_extra, draft_sampling = _flag_policies(a)
     except _FlagError as e:
         parser.error(str(e))
     if engine == "local":
@@ -656,16 +633,7 @@ def _policy_from_flags(
         ):
             for k in sorted(extra):
                 log.warning("%s: ignoring key %r (not used by the local engine)", key, k)
-    if len(trees) > 1:
-        (f1, t1), (f2, t2) = list(trees.items())[:2]
-        parser.error(f"argument {f2}: not allowed with {f1} (tree {t2!r} vs {t1!r})")
-    for flag, spec in trees.items():
-        try:
-            parse_tree_spec(spec)
-        except ValueError as e:
-            parser.error(f"argument {flag}: {e}")
-    tree_flag = next(iter(trees), None)
-    tree = trees.get(tree_flag) if tree_flag else None
+    tree_flag, tree = _one_tree(parser, trees)
     if is_ngram(tree):  # the n-gram trie drafts from the text itself: no model
         drafters.setdefault(tree_flag, ("ngram", None))
     if len(drafters) > 1:
@@ -683,6 +651,67 @@ def _policy_from_flags(
         draft_sampling=draft_sampling,
     )
     return pol, spec_extra, add_extra
+
+
+def _flag_policies(a: argparse.Namespace) -> tuple[dict, dict, dict, dict, bool]:
+    """Every tree (flag -> spec) and draft (flag -> (kind, path)) the flags name, vLLM's
+    extra keys of ``--speculative-config`` and ``--additional-config``, draft sampling."""
+    trees: dict[str, str] = {}
+    drafters: dict[str, tuple[str, Path | None]] = {}
+    spec_extra: dict[str, Any] = {}
+    add_extra: dict[str, Any] = {}
+    draft_sampling = a.draft_sampling
+    if a.tree is not None:
+        trees["--tree"] = a.tree
+    if a.draft_model is not None:
+        drafters["--draft-model"] = ("draft", a.draft_model)
+    if a.eagle_head is not None:
+        drafters["--eagle-head"] = ("eagle", a.eagle_head)
+    plugin_tree = None
+    if a.additional_config is not None:
+        plugin_tree, sampling, add_extra = _additional_config(a.additional_config)
+        draft_sampling = draft_sampling or sampling
+        if plugin_tree is not None:
+            trees["--additional-config"] = plugin_tree
+    if a.speculative_config is not None:
+        spec, drafter, spec_extra = _vllm_speculative_config(a.speculative_config, plugin_tree)
+        if spec is not None:
+            trees["--speculative-config"] = spec
+        if drafter is not None:
+            drafters["--speculative-config"] = drafter
+    sglang = (
+        a.speculative_algorithm,
+        a.speculative_draft_model_path,
+        a.speculative_eagle_topk,
+        a.speculative_num_steps,
+        a.speculative_num_draft_tokens,
+    )
+    if any(v is not None for v in sglang):
+        spec, drafter, flag = _sglang_flags(a)
+        if spec is not None:
+            trees[flag] = spec
+        if drafter is not None:
+            drafters["--speculative-draft-model-path"] = drafter
+    return trees, drafters, spec_extra, add_extra, draft_sampling
+
+
+def _one_tree(
+    parser: argparse.ArgumentParser, trees: dict[str, str]
+) -> tuple[str | None, str | None]:
+    """``(flag, spec)`` of the one tree the flags give (None, None: none); two are an
+    error naming both, a bad spec one naming its flag."""
+    from tree_dev.spec import parse_tree_spec
+
+    if len(trees) > 1:
+        (f1, t1), (f2, t2) = list(trees.items())[:2]
+        parser.error(f"argument {f2}: not allowed with {f1} (tree {t2!r} vs {t1!r})")
+    for flag, spec in trees.items():
+        try:
+            parse_tree_spec(spec)
+        except ValueError as e:
+            parser.error(f"argument {flag}: {e}")
+    tree_flag = next(iter(trees), None)
+    return tree_flag, (trees.get(tree_flag) if tree_flag else None)
 
 
 def _check_sizes(parser: argparse.ArgumentParser, a: argparse.Namespace, engine: str) -> None:

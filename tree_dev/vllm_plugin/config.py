@@ -123,6 +123,30 @@ def parse(
 ) -> TreeConfig:
     """Validate the ``treespec`` section against vLLM's speculative config."""
     spec = section.get("tree")
+    policy = _policy(spec)
+    method = _method_for(policy, spec, speculative_config)
+    if is_ngram(policy) and not policy.range_given:
+        policy = _with_lookup_range(policy, speculative_config)
+    budget = draft_budget(policy)
+    n = getattr(speculative_config, "num_speculative_tokens", None)
+    if n != budget:
+        raise ValueError(
+            f"speculative_config num_speculative_tokens = {n} but the tree {spec!r} has "
+            f"{budget} draft nodes: they must be equal"
+        )
+    backend = _kernel_backend(section, policy, spec, device)
+    debug, record, sampling = _options(section, kv_cache_dtype)
+    if sampling and (method not in MODEL_METHODS or not isinstance(policy, StaticPolicy)):
+        raise ValueError(
+            f"additional_config['treespec']['draft_sampling'] needs a static tree "
+            f"(chain/paths/medusa) with method draft_model or eagle, not {spec!r} with "
+            f"{method!r}: pruning a sampled dynamic tree would bias the output"
+        )
+    return TreeConfig(spec, policy, method, budget, backend, debug, record, sampling)
+
+
+def _policy(spec: Any) -> Policy:
+    """The parsed ``tree`` key (a spec string other than ``none``)."""
     if not isinstance(spec, str):
         raise ValueError(
             f"additional_config['treespec']['tree'] must be a tree spec string, got {spec!r}"
@@ -135,6 +159,11 @@ def parse(
         raise ValueError(
             "additional_config['treespec']['tree'] is 'none': drop speculative_config instead"
         )
+    return policy
+
+
+def _method_for(policy: Policy, spec: str, speculative_config: Any) -> str:
+    """vLLM's speculative method, checked to fit the tree kind."""
     if speculative_config is None:
         raise ValueError(
             f"additional_config['treespec']['tree'] = {spec!r} needs a speculative_config "
@@ -152,15 +181,11 @@ def parse(
             f"method {method!r}: ngram:... trees go with method 'ngram', model trees "
             "(topk/chain/paths/medusa/hybrid) with 'draft_model' or 'eagle'"
         )
-    if is_ngram(policy) and not policy.range_given:
-        policy = _with_lookup_range(policy, speculative_config)
-    budget = draft_budget(policy)
-    n = getattr(speculative_config, "num_speculative_tokens", None)
-    if n != budget:
-        raise ValueError(
-            f"speculative_config num_speculative_tokens = {n} but the tree {spec!r} has "
-            f"{budget} draft nodes: they must be equal"
-        )
+    return method
+
+
+def _kernel_backend(section: dict, policy: Policy, spec: str, device: str) -> str:
+    """The ``kernel_backend`` key, resolved, checked to hold the tree's nodes."""
     backend = section.get("kernel_backend", "auto")
     if backend not in KERNEL_BACKENDS:
         raise ValueError(
@@ -178,6 +203,11 @@ def parse(
             f"additional_config['treespec']['tree'] = {spec!r} has {policy.max_nodes} nodes; "
             f"the {backend!r} tree attention supports at most {limit}"
         )
+    return backend
+
+
+def _options(section: dict, kv_cache_dtype: str) -> tuple[str | None, int, bool]:
+    """``debug_disable``, ``record_trees``, ``draft_sampling`` (and the KV dtype), checked."""
     debug = section.get("debug_disable")
     if debug is not None and debug not in DEBUG_SWITCHES:
         raise ValueError(
@@ -200,13 +230,7 @@ def parse(
             f"additional_config['treespec']['draft_sampling'] = {sampling!r}; expected true "
             "or false"
         )
-    if sampling and (method not in MODEL_METHODS or not isinstance(policy, StaticPolicy)):
-        raise ValueError(
-            f"additional_config['treespec']['draft_sampling'] needs a static tree "
-            f"(chain/paths/medusa) with method draft_model or eagle, not {spec!r} with "
-            f"{method!r}: pruning a sampled dynamic tree would bias the output"
-        )
-    return TreeConfig(spec, policy, method, budget, backend, debug, record, sampling)
+    return debug, record, sampling
 
 
 #: What vLLM 0.32 writes into ``prompt_lookup_min`` / ``prompt_lookup_max`` when the user

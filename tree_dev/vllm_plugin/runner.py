@@ -350,14 +350,26 @@ class TreeRunner:
                 self._profile.tick()
 
     def _propose(self, scheduler_output, sampled_token_ids, hidden_states) -> list[list[int]]:
+        if self.cfg.method == "eagle" and hidden_states is not None:
+            self._keep_features(hidden_states)
+        out: list[list[int]] = [[] for _ in self.runner.input_batch.req_ids]
+        todo = self._eligible(sampled_token_ids)
+        if not todo or getattr(scheduler_output, "num_spec_tokens_to_schedule", None) == 0:
+            return out
+        if is_ngram(self.cfg.policy):
+            self._propose_ngram(todo, out)
+        else:
+            self._propose_model(todo, out)
+        return out
+
+    def _eligible(self, sampled_token_ids) -> list[tuple[int, str, int]]:
+        """``(batch row, request id, committed tokens)`` of the requests that get a tree
+        now: they sampled this step, their sampling is exact under trees, and a full tree
+        with its draft slots fits before ``max_model_len``."""
         r = self.runner
         batch = r.input_batch
         budget = self.cfg.num_draft_tokens
         slots = draft_slots(self.cfg.policy)
-        want = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
-        if self.cfg.method == "eagle" and hidden_states is not None:
-            self._keep_features(hidden_states)
-        out: list[list[int]] = [[] for _ in batch.req_ids]
         todo = []
         for i, rid in enumerate(batch.req_ids):
             self.proposals.pop(rid, None)
@@ -371,53 +383,54 @@ class TreeRunner:
             if n_tokens + budget + max(budget, slots) + 1 > r.max_model_len:
                 continue  # too close to the end for a full tree and its draft slots
             todo.append((i, rid, n_tokens))
-        if not todo or want == 0:
-            return out
-        if is_ngram(self.cfg.policy):
-            from tree_dev.proposer import ngram_trie
+        return todo
 
-            for i, rid, n_tokens in todo:
-                context = batch.token_ids_cpu[i, :n_tokens].tolist()
-                if self.history.max_tokens:
-                    self.contexts[rid] = context  # into the history when it finishes
-                tree, tokens = ngram_trie(context, self.cfg.policy, self.history)
-                self._store(rid, tree, tokens, out, i)
-            return out
-        sampled = self.cfg.draft_sampling
-        from tree_dev.vllm_plugin.drafter import Draftee
+    def _propose_ngram(self, todo: list[tuple[int, str, int]], out: list[list[int]]) -> None:
+        from tree_dev.proposer import ngram_trie
 
-        draftees = []
+        batch = self.runner.input_batch
         for i, rid, n_tokens in todo:
-            tokens = batch.token_ids_cpu[i, :n_tokens].tolist()
-            temp, gen = None, None
-            if sampled:
-                state = r.requests[rid]
-                t = float(state.sampling_params.temperature)
-                if t >= GREEDY_TEMPERATURE:
-                    temp, gen = t, state.generator
-            if self.cfg.method == "eagle":
-                # element k pairs token k + 1 with the target's feature at k
-                seq, start = tokens[1:], self.draft_len.get(rid, 0)
-                first, feats = self.feats.get(rid, (None, None))
-                if first is None or first > start or first + len(feats) != len(seq):
-                    self.feats.pop(rid, None)
-                    self.draft_len.pop(rid, None)
-                    continue  # no feature history for this request's catch-up
-                feats = feats[start - first :]
-                draftees.append(Draftee(i, rid, seq, start, feats, temp, gen, tokens))
-            else:
-                start = min(self.draft_len.get(rid, 0), n_tokens - 1)
-                draftees.append(Draftee(i, rid, tokens, start, None, temp, gen, tokens))
+            context = batch.token_ids_cpu[i, :n_tokens].tolist()
+            if self.history.max_tokens:
+                self.contexts[rid] = context  # into the history when it finishes
+            tree, tokens = ngram_trie(context, self.cfg.policy, self.history)
+            self._store(rid, tree, tokens, out, i)
+
+    def _propose_model(self, todo: list[tuple[int, str, int]], out: list[list[int]]) -> None:
+        draftees = [d for d in (self._draftee(*t) for t in todo) if d is not None]
+        eagle = self.cfg.method == "eagle"
         for d, (prop, cached) in zip(draftees, self.drafter.propose(draftees)):
             self.draft_len[d.rid] = cached  # the trunk and root are in the draft cache
-            if self.cfg.method == "eagle":
-                if cached == len(d.seq):
-                    self.feats.pop(d.rid, None)  # consumed up to the root
-                else:  # keep the features of what the draft has not consumed
-                    first, feats = self.feats[d.rid]
-                    self.feats[d.rid] = (cached, feats[cached - first :])
+            if eagle and cached == len(d.seq):
+                self.feats.pop(d.rid, None)  # consumed up to the root
+            elif eagle:  # keep the features of what the draft has not consumed
+                first, feats = self.feats[d.rid]
+                self.feats[d.rid] = (cached, feats[cached - first :])
             self._store(d.rid, prop.tree, prop.tokens, out, d.row, prop.draft_probs)
-        return out
+
+    def _draftee(self, i: int, rid: str, n_tokens: int):
+        """Request ``rid``'s draft sequence and catch-up (None: an EAGLE request without
+        the feature history its catch-up needs)."""
+        from tree_dev.vllm_plugin.drafter import Draftee
+
+        tokens = self.runner.input_batch.token_ids_cpu[i, :n_tokens].tolist()
+        temp, gen = None, None
+        if self.cfg.draft_sampling:
+            state = self.runner.requests[rid]
+            t = float(state.sampling_params.temperature)
+            if t >= GREEDY_TEMPERATURE:
+                temp, gen = t, state.generator
+        if self.cfg.method != "eagle":
+            start = min(self.draft_len.get(rid, 0), n_tokens - 1)
+            return Draftee(i, rid, tokens, start, None, temp, gen, tokens)
+        # element k pairs token k + 1 with the target's feature at k
+        seq, start = tokens[1:], self.draft_len.get(rid, 0)
+        first, feats = self.feats.get(rid, (None, None))
+        if first is None or first > start or first + len(feats) != len(seq):
+            self.feats.pop(rid, None)
+            self.draft_len.pop(rid, None)
+            return None  # no feature history for this request's catch-up
+        return Draftee(i, rid, seq, start, feats[start - first :], temp, gen, tokens)
 
     def _keep_features(self, hidden_states: torch.Tensor) -> None:
         """EAGLE: keep the target's features of this step's newly committed positions."""

@@ -222,6 +222,129 @@ def _matmul_dst(old: dict, dtype) -> Tile:
     return Tile.allocate((st.shape[-1], mv.shape[-1]), T.float32, T.psum, "nc_matmul")
 
 
+def _check_matmul_inputs(c: str, stationary: Tile, moving: Tile) -> None:
+    """Check both matmul inputs are on-chip tiles in SBUF."""
+    for n, t in (("stationary", stationary), ("moving", moving)):
+        T.check_onchip(c, n, t)
+        if t.buffer != "sbuf":
+            raise rule(c, f"{n} is in {t.buffer}; the Tensor Engine reads its inputs from SBUF")
+
+
+def _check_matmul_layout(
+    c: str, stationary: Tile, moving: Tile, double: bool, version: int, tile_size
+) -> None:
+    """Check the input ranks: ``[K, 2, F]`` fp8 for double_row, else 2-d."""
+    if double:
+        if version < 3:
+            raise rule(c, "perf_mode=double_row needs NeuronCore-v3 or newer")
+        for n, t in (("stationary", stationary), ("moving", moving)):
+            if t.ndim != 3 or t.shape[1] != 2 or t.dtype not in T.FP8:
+                raise rule(c, f"double_row: {n} {t.shape} {t.dtype} must be [K, 2, F] fp8")
+        if tile_size and tuple(tile_size)[1] != 128:
+            raise rule(c, "double_row cannot be combined with column tiling")
+    else:
+        for n, t in (("stationary", stationary), ("moving", moving)):
+            if t.ndim != 2:
+                raise rule(c, f"{n} {t.shape} must be a 2-d tile")
+
+
+def _matmul_tile_limits(c: str, tile_position, tile_size, version: int) -> tuple[int, int]:
+    """Check the tiling-mode arguments; return the (rows, cols) of the PE array in use."""
+    rows, cols = 128, 128
+    if tile_position or tile_size:
+        if not (tile_position and tile_size):
+            raise rule(c, "tile_position and tile_size must both be set for tiling mode")
+        rows, cols = (int(v) for v in tile_size)
+        r0, c0 = (int(v) for v in tile_position)
+        allowed = (32, 64, 128) if version >= 3 else (64, 128)
+        if rows not in allowed or cols not in allowed:
+            raise rule(c, f"tile_size {tuple(tile_size)}: sizes must be in {allowed}")
+        if r0 % rows or c0 % cols or r0 + rows > 128 or c0 + cols > 128:
+            raise rule(c, f"tile_position {tuple(tile_position)} does not fit tile_size")
+    return rows, cols
+
+
+def _check_matmul_sizes(c: str, k: int, k2: int, m: int, n: int, rows: int, cols: int) -> None:
+    """Check the contraction and free sizes against the PE array and PSUM limits."""
+    if k != k2:
+        raise rule(c, f"contraction (partition) dims differ: stationary {k}, moving {k2}")
+    if k > rows:
+        raise rule(c, f"contraction dim {k} > {rows} (nl.tile_size.pmax / tile_size rows)")
+    if m > cols:
+        raise rule(c, f"stationary free size {m} > {cols} (nl.tile_size.gemm_stationary_fmax)")
+    if n > 512:
+        raise rule(c, f"moving free size {n} > 512 (nl.tile_size.gemm_moving_fmax)")
+
+
+def _check_matmul_dtypes(c: str, stationary: Tile, moving: Tile, fp32: tuple) -> None:
+    """Check fp32 is on both inputs or neither, and the two fp8 e4m3 flavours are not mixed."""
+    if (stationary.dtype in fp32) != (moving.dtype in fp32):
+        raise rule(
+            c,
+            f"stationary {T.dtype_name(stationary.dtype)} and moving "
+            f"{T.dtype_name(moving.dtype)}: fp32 must be on both sides or neither",
+        )
+    legacy_fp8 = {T.float8_e4m3} & {stationary.dtype, moving.dtype}
+    if legacy_fp8 and T.float8_e4m3fn in (stationary.dtype, moving.dtype):
+        raise rule(c, "float8_e4m3 and float8_e4m3fn cannot be mixed in one matmul")
+
+
+def _check_matmul_dst(c: str, dst: Tile, m: int, n: int) -> None:
+    """Check ``dst`` is an on-chip ``[m, n]`` PSUM tile."""
+    T.check_onchip(c, "dst", dst)
+    if dst.buffer != "psum":
+        raise rule(c, f"dst is in {dst.buffer}; the Tensor Engine writes only to PSUM")
+    if dst.shape != (m, n):
+        raise rule(c, f"dst shape {dst.shape} != [{m}, {n}] (stationary free x moving free)")
+
+
+def _matmul_transpose(
+    c: str, dst: Tile, stationary: Tile, moving: Tile, version: int, k: int, m: int, n: int
+) -> None:
+    """The ``is_transpose=True`` form: ``dst = stationary.T`` with an identity ``moving``."""
+    if version < 3:
+        raise rule(c, "is_transpose=True needs NeuronCore-v3 or newer")
+    if dst.dtype != stationary.dtype:
+        raise rule(c, f"is_transpose: dst dtype {dst.dtype} != data dtype {stationary.dtype}")
+    if not np.array_equal(_flat(moving, c), np.eye(k, n, dtype=np.float32)):
+        raise rule(c, "is_transpose: moving must be an identity matrix")
+    prof.matmul(k, m, n, fp32=False)
+    T.assign(dst, stationary.array.T, T.PSUM_MATMUL)
+
+
+def _matmul_add_mask(c: str, dst: Tile, accumulate: bool | None, version: int) -> np.ndarray:
+    """Which ``dst`` locations the matmul adds onto (vs overwrites), per ``accumulate``."""
+    state = T.acc_state(dst)
+    if accumulate is None:
+        add = state != T.PSUM_FRESH
+        if (state == T.PSUM_READ).any():
+            warnings.warn(
+                f"{c}: accumulate=None adds onto a PSUM accumulation group whose result was "
+                "already read out; if a new group was meant, pass accumulate=False (the "
+                "compiler's inference may differ)",
+                NkiAccumulationWarning,
+                stacklevel=4,  # helper -> nc_matmul -> wrapper -> the kernel's call
+            )
+    elif accumulate:
+        if (state == T.PSUM_FRESH).any():
+            raise rule(
+                c,
+                "accumulate=True onto PSUM locations no matmul has written: undefined "
+                "behaviour on hardware (start the group with accumulate=False)",
+            )
+        add = np.ones(dst.shape, bool)
+    else:
+        add = np.zeros(dst.shape, bool)
+    if version < 4 and (add & (state == T.PSUM_OTHER)).any():
+        raise rule(
+            c,
+            "accumulating onto PSUM locations a non-matmul instruction (memset, "
+            "tensor_copy, ...) initialised: undefined behaviour on NeuronCore-v2/v3 "
+            "(overwrite with accumulate=False)",
+        )
+    return add
+
+
 @_dst_first(lambda a: a.get("moving") is None, _matmul_dst)
 def nc_matmul(
     dst: Tile,
@@ -248,103 +371,26 @@ def nc_matmul(
     ``perf_mode=double_row`` (fp8, v3+): tiles ``[K, 2, M]`` / ``[K, 2, N]``.
     """
     c = _call
-    for n, t in (("stationary", stationary), ("moving", moving)):
-        T.check_onchip(c, n, t)
-        if t.buffer != "sbuf":
-            raise rule(c, f"{n} is in {t.buffer}; the Tensor Engine reads its inputs from SBUF")
+    _check_matmul_inputs(c, stationary, moving)
     double = perf_mode == matmul_perf_mode.double_row
     version = T.ctx().nc_version
-    if double:
-        if version < 3:
-            raise rule(c, "perf_mode=double_row needs NeuronCore-v3 or newer")
-        for n, t in (("stationary", stationary), ("moving", moving)):
-            if t.ndim != 3 or t.shape[1] != 2 or t.dtype not in T.FP8:
-                raise rule(c, f"double_row: {n} {t.shape} {t.dtype} must be [K, 2, F] fp8")
-        if tile_size and tuple(tile_size)[1] != 128:
-            raise rule(c, "double_row cannot be combined with column tiling")
-    else:
-        for n, t in (("stationary", stationary), ("moving", moving)):
-            if t.ndim != 2:
-                raise rule(c, f"{n} {t.shape} must be a 2-d tile")
+    _check_matmul_layout(c, stationary, moving, double, version, tile_size)
     k, m = stationary.shape[0], stationary.shape[-1]
     k2, n = moving.shape[0], moving.shape[-1]
-    rows, cols = 128, 128
-    if tile_position or tile_size:
-        if not (tile_position and tile_size):
-            raise rule(c, "tile_position and tile_size must both be set for tiling mode")
-        rows, cols = (int(v) for v in tile_size)
-        r0, c0 = (int(v) for v in tile_position)
-        allowed = (32, 64, 128) if version >= 3 else (64, 128)
-        if rows not in allowed or cols not in allowed:
-            raise rule(c, f"tile_size {tuple(tile_size)}: sizes must be in {allowed}")
-        if r0 % rows or c0 % cols or r0 + rows > 128 or c0 + cols > 128:
-            raise rule(c, f"tile_position {tuple(tile_position)} does not fit tile_size")
-    if k != k2:
-        raise rule(c, f"contraction (partition) dims differ: stationary {k}, moving {k2}")
-    if k > rows:
-        raise rule(c, f"contraction dim {k} > {rows} (nl.tile_size.pmax / tile_size rows)")
-    if m > cols:
-        raise rule(c, f"stationary free size {m} > {cols} (nl.tile_size.gemm_stationary_fmax)")
-    if n > 512:
-        raise rule(c, f"moving free size {n} > 512 (nl.tile_size.gemm_moving_fmax)")
+    rows, cols = _matmul_tile_limits(c, tile_position, tile_size, version)
+    _check_matmul_sizes(c, k, k2, m, n, rows, cols)
     fp32 = (T.float32, T.tfloat32)
-    if (stationary.dtype in fp32) != (moving.dtype in fp32):
-        raise rule(
-            c,
-            f"stationary {T.dtype_name(stationary.dtype)} and moving "
-            f"{T.dtype_name(moving.dtype)}: fp32 must be on both sides or neither",
-        )
-    legacy_fp8 = {T.float8_e4m3} & {stationary.dtype, moving.dtype}
-    if legacy_fp8 and T.float8_e4m3fn in (stationary.dtype, moving.dtype):
-        raise rule(c, "float8_e4m3 and float8_e4m3fn cannot be mixed in one matmul")
-    T.check_onchip(c, "dst", dst)
-    if dst.buffer != "psum":
-        raise rule(c, f"dst is in {dst.buffer}; the Tensor Engine writes only to PSUM")
-    if dst.shape != (m, n):
-        raise rule(c, f"dst shape {dst.shape} != [{m}, {n}] (stationary free x moving free)")
+    _check_matmul_dtypes(c, stationary, moving, fp32)
+    _check_matmul_dst(c, dst, m, n)
     if is_transpose:
-        if version < 3:
-            raise rule(c, "is_transpose=True needs NeuronCore-v3 or newer")
-        if dst.dtype != stationary.dtype:
-            raise rule(c, f"is_transpose: dst dtype {dst.dtype} != data dtype {stationary.dtype}")
-        if not np.array_equal(_flat(moving, c), np.eye(k, n, dtype=np.float32)):
-            raise rule(c, "is_transpose: moving must be an identity matrix")
-        prof.matmul(k, m, n, fp32=False)
-        T.assign(dst, stationary.array.T, T.PSUM_MATMUL)
+        _matmul_transpose(c, dst, stationary, moving, version, k, m, n)
         return
     if dst.dtype != T.float32:
         raise rule(c, f"dst dtype {dst.dtype}: matmul results accumulate in a float32 PSUM tile")
     st = T.read(stationary, c).reshape(k, -1, m)
     mv = T.read(moving, c).reshape(k, -1, n)
     res = np.einsum("kim,kin->mn", st, mv, dtype=np.float32, optimize=True)
-    state = T.acc_state(dst)
-    if accumulate is None:
-        add = state != T.PSUM_FRESH
-        if (state == T.PSUM_READ).any():
-            warnings.warn(
-                f"{c}: accumulate=None adds onto a PSUM accumulation group whose result was "
-                "already read out; if a new group was meant, pass accumulate=False (the "
-                "compiler's inference may differ)",
-                NkiAccumulationWarning,
-                stacklevel=3,
-            )
-    elif accumulate:
-        if (state == T.PSUM_FRESH).any():
-            raise rule(
-                c,
-                "accumulate=True onto PSUM locations no matmul has written: undefined "
-                "behaviour on hardware (start the group with accumulate=False)",
-            )
-        add = np.ones(dst.shape, bool)
-    else:
-        add = np.zeros(dst.shape, bool)
-    if version < 4 and (add & (state == T.PSUM_OTHER)).any():
-        raise rule(
-            c,
-            "accumulating onto PSUM locations a non-matmul instruction (memset, "
-            "tensor_copy, ...) initialised: undefined behaviour on NeuronCore-v2/v3 "
-            "(overwrite with accumulate=False)",
-        )
+    add = _matmul_add_mask(c, dst, accumulate, version)
     if add.any():
         res = np.where(add, T.read(dst, c) + res, res)
     prof.matmul(k * (2 if double else 1), m, n, fp32=stationary.dtype in fp32)
