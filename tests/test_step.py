@@ -24,6 +24,7 @@ from tree_dev.proposer import expansion_for
 from tree_dev.spec import parse_tree_spec
 from tree_dev.step import (
     DepthStats,
+    DraftBatch,
     DraftRequest,
     Proposal,
     catch_up,
@@ -54,7 +55,9 @@ class FakeDraft:
         self.calls: list[tuple[list[int], list[list[int]], bool]] = []
         self.trunk: dict[int, int] = {}  # per request: nodes of its trunk
 
-    def __call__(self, keys, prefixes, trees, new_nodes, tokens, feats, want):
+    def __call__(self, batch: DraftBatch):
+        keys, prefixes, trees, new_nodes = batch.keys, batch.prefixes, batch.trees, batch.new_nodes
+        tokens, feats, want = batch.tokens, batch.feats, batch.want
         self.calls.append((list(keys), [list(n) for n in new_nodes], want is None))
         assert (feats is not None) == self.eagle
         assert len(tokens) == sum(map(len, new_nodes))

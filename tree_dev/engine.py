@@ -67,7 +67,15 @@ from tree_dev.spec import (
     StaticPolicy,
     parse_tree_spec,
 )
-from tree_dev.step import DepthStats, DraftRequest, Proposal, grow_trees, walk_mode, walk_trees
+from tree_dev.step import (
+    DepthStats,
+    DraftBatch,
+    DraftRequest,
+    Proposal,
+    grow_trees,
+    walk_mode,
+    walk_trees,
+)
 from tree_dev.tree import TokenTree, TreeBatch
 
 PREFILL_CHUNK = 256
@@ -745,28 +753,19 @@ class Engine:
                 r.pending_feats = r.pending_feats[done:]
         return proposals
 
-    def _draft_forward(
-        self,
-        req_ids: list[int],
-        prefixes: list[int],
-        trees: list[TokenTree],
-        new_nodes: list[list[int]],
-        tokens: list[int],
-        feats: torch.Tensor | None,
-        want: list[list[int]] | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _draft_forward(self, b: DraftBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The draft runner as ``tree_dev.step.DraftForward``."""
         dr = self.draft_runner
-        if want is None:  # a catch-up chunk: every node of a chain
-            dr.forward(req_ids, prefixes, trees, None, tokens, feats=feats, want_logits=False)
+        if b.want is None:  # a catch-up chunk: every node of a chain
+            dr.forward(b.keys, b.prefixes, b.trees, None, b.tokens, b.feats, want_logits=False)
             return None, None
         rows, offset = [], 0  # logits only at the wanted rows
-        for nodes, w in zip(new_nodes, want):
+        for nodes, w in zip(b.new_nodes, b.want):
             where = {n: k for k, n in enumerate(nodes)}
             rows += [offset + where[n] for n in w]
             offset += len(nodes)
         hidden, logits = dr.forward(
-            req_ids, prefixes, trees, new_nodes, tokens, feats=feats, logit_rows=rows
+            b.keys, b.prefixes, b.trees, b.new_nodes, b.tokens, b.feats, logit_rows=rows
         )
         self.forwards["draft"] += 1
         return torch.log_softmax(logits.float(), dim=-1), hidden[rows]

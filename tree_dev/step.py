@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -100,10 +99,11 @@ class DepthStats:
 
 
 # --------------------------------------------------------------------------- drafting
-class DraftForward(Protocol):
-    """An engine's packed draft forward (the adapter's half of drafting).
+@dataclass
+class DraftBatch:
+    """One packed draft forward's inputs (what the core asks of an engine's draft).
 
-    Args:
+    Attributes:
         keys: per request, what the engine knows it by (a cache id, a batch row).
         prefixes: per request, the draft's cached positions before its tree; tree node
             ``j`` sits at slot ``prefix + j``, RoPE position ``prefix + depth(j)``.
@@ -114,22 +114,21 @@ class DraftForward(Protocol):
         feats: EAGLE only, ``[T_new, H]`` features paired with the new nodes; else None.
         want: per request, nodes among ``new_nodes`` whose next-token distribution is
             wanted; None wants nothing (a catch-up chunk).
-
-    Returns:
-        fp32 log-probs ``[sum(len(w)), V]`` at the wanted nodes and the draft's outputs
-        there ``[sum(len(w)), H]`` (``None, None`` when ``want`` is None).
     """
 
-    def __call__(
-        self,
-        keys: list,
-        prefixes: list[int],
-        trees: list[TokenTree],
-        new_nodes: list[list[int]],
-        tokens: list[int],
-        feats: torch.Tensor | None,
-        want: list[list[int]] | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
+    keys: list
+    prefixes: list[int]
+    trees: list[TokenTree]
+    new_nodes: list[list[int]]
+    tokens: list[int]
+    feats: torch.Tensor | None
+    want: list[list[int]] | None
+
+
+#: An engine's packed draft forward: ``DraftBatch`` -> fp32 log-probs ``[sum(len(w)), V]``
+#: at the wanted nodes and the draft's outputs there ``[sum(len(w)), H]`` (``None, None``
+#: when ``want`` is None).
+DraftForward = Callable[[DraftBatch], tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
 @dataclass
@@ -179,13 +178,15 @@ def catch_up(
         if todo[0].feats is not None:
             feats = torch.cat([r.feats[:n] for r, n in zip(todo, sizes)])
         forward(
-            [r.key for r in todo],
-            [r.prefix for r in todo],
-            [tree_of((-1, *range(n - 1))) for n in sizes],
-            [list(range(n)) for n in sizes],
-            [t for r, n in zip(todo, sizes) for t in r.trunk[:n]],
-            feats,
-            None,
+            DraftBatch(
+                [r.key for r in todo],
+                [r.prefix for r in todo],
+                [tree_of((-1, *range(n - 1))) for n in sizes],
+                [list(range(n)) for n in sizes],
+                [t for r, n in zip(todo, sizes) for t in r.trunk[:n]],
+                feats,
+                None,
+            )
         )
         rounds += 1
         for r, n in zip(todo, sizes):
@@ -223,13 +224,15 @@ def grow_trees(reqs: Sequence[DraftRequest], forward: DraftForward) -> list[Prop
         if active[0].feats is not None:
             feats = torch.stack([r._feats[n] for r in active for n in r._new])
         logprobs, outs = forward(
-            [r.key for r in active],
-            [r.prefix for r in active],
-            [tree_of(tuple(r._parents)) for r in active],
-            [r._new for r in active],
-            [r._tokens[n] for r in active for n in r._new],
-            feats,
-            want,
+            DraftBatch(
+                [r.key for r in active],
+                [r.prefix for r in active],
+                [tree_of(tuple(r._parents)) for r in active],
+                [r._new for r in active],
+                [r._tokens[n] for r in active for n in r._new],
+                feats,
+                want,
+            )
         )
         if len(active) == 1:  # a split costs more than the rest of the level's Python
             parts = zip(active, want, (logprobs,), (outs,))

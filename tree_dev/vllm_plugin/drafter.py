@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tree_dev.proposer import expansion_for
-from tree_dev.step import DraftRequest, Proposal, grow_trees
+from tree_dev.step import DraftBatch, DraftRequest, Proposal, grow_trees
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin.attention import ACTIVE, TreeAttentionMetadata, TreeRows, tree_batch
 
@@ -90,31 +90,17 @@ class ModelDrafter:
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(
-        self,
-        rows: list[int],
-        prefixes: list[int],
-        trees: list[TokenTree],
-        new_nodes: list[list[int]],
-        tokens: list[int],
-        feats: torch.Tensor | None,
-        want: list[list[int]] | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One packed draft forward.
-
-        Args:
-            rows: batch rows of the requests; prefixes: draft KV length before each tree.
-            trees: each request's forwarded tree (node ``j`` at slot ``prefix + j``, RoPE
-                position ``prefix + depth``).
-            new_nodes: per request, the nodes computed now (ascending).
-            tokens: token of every new node, packed; feats: EAGLE ``[T_new, H]`` features.
-            want: per request, nodes (among ``new_nodes``) whose next-token log-probs are
-                wanted; None wants nothing.
+    def forward(self, batch: DraftBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One packed draft forward on vLLM's draft model and cache
+        (``tree_dev.step.DraftForward``): a batch row per request (``batch.keys``), node
+        ``j`` of its tree at slot ``prefix + j``, RoPE position ``prefix + depth``.
 
         Returns:
             fp32 log-probs ``[sum(len(w)), V]`` at the wanted nodes and the draft's
             outputs there ``[sum(len(w)), H]`` (None, None without ``want``).
         """
+        rows, prefixes, trees, new_nodes = batch.keys, batch.prefixes, batch.trees, batch.new_nodes
+        tokens, feats, want = batch.tokens, batch.feats, batch.want
         from vllm.forward_context import set_forward_context
 
         r = self.tr.runner
@@ -123,27 +109,10 @@ class ModelDrafter:
         causal = bool(self.groups) and (
             self.tr.cfg.debug_disable == "draft_mask" or all(map(_causal_tail, trees, new_nodes))
         )
-        nblocks = bt.num_blocks_per_row
-        lin, pos, brow, qnodes, keep = [], [], [], [], []
-        offset = node_base = 0  # rows so far; nodes of the earlier trees (TreeBatch order)
-        for b, (row, p, tree, nodes) in enumerate(zip(rows, prefixes, trees, new_nodes)):
-            if (p + nodes[-1]) // bs >= int(nblocks[row]):
-                raise RuntimeError(
-                    f"treespec: draft node {nodes[-1]} of batch row {row} would be written at "
-                    f"position {p + nodes[-1]}, past the {nblocks[row]} KV "
-                    f"blocks vLLM allocated for the request (block size {bs})"
-                )
-            depth = tree.depth_list
-            lin += [p + n for n in nodes]  # node j sits at slot prefix + j
-            pos += [p + depth[n] for n in nodes]  # RoPE position prefix + depth
-            brow += [row] * len(nodes)
-            if not causal:  # tree rows: each row's node in the TreeBatch
-                qnodes += [node_base + n for n in nodes]
-                node_base += tree.num_nodes
-            if want is not None:
-                where = {n: k for k, n in enumerate(nodes)}
-                keep.extend(offset + where[n] for n in want[b])
-            offset += len(nodes)
+        lin, pos, brow, qnodes, keep = _level_rows(
+            rows, prefixes, trees, new_nodes, want, causal, bt.num_blocks_per_row, bs
+        )
+        offset = len(lin)
         # index arithmetic in NumPy: a handful of tiny torch ops per level cost more here
         # than the draft's attention (CPU dispatch overhead)
         linear = np.asarray(lin, dtype=np.int64)
@@ -250,6 +219,34 @@ class ModelDrafter:
         ]
         proposals = grow_trees(reqs, self.forward)
         return [(p, r.prefix) for p, r in zip(proposals, reqs)]
+
+
+def _level_rows(rows, prefixes, trees, new_nodes, want, causal: bool, nblocks, bs: int):
+    """Per packed row of a draft forward: its linear KV position (node ``j`` at slot
+    ``prefix + j``), RoPE position (``prefix + depth``), batch row, node in the
+    ``TreeBatch`` (tree rows only), and the packed rows whose outputs are wanted.
+    RuntimeError when a node would be written past the request's allocated KV blocks."""
+    lin, pos, brow, qnodes, keep = [], [], [], [], []
+    offset = node_base = 0  # rows so far; nodes of the earlier trees (TreeBatch order)
+    for b, (row, p, tree, nodes) in enumerate(zip(rows, prefixes, trees, new_nodes)):
+        if (p + nodes[-1]) // bs >= int(nblocks[row]):
+            raise RuntimeError(
+                f"treespec: draft node {nodes[-1]} of batch row {row} would be written at "
+                f"position {p + nodes[-1]}, past the {nblocks[row]} KV "
+                f"blocks vLLM allocated for the request (block size {bs})"
+            )
+        depth = tree.depth_list
+        lin += [p + n for n in nodes]
+        pos += [p + depth[n] for n in nodes]
+        brow += [row] * len(nodes)
+        if not causal:
+            qnodes += [node_base + n for n in nodes]
+            node_base += tree.num_nodes
+        if want is not None:
+            where = {n: k for k, n in enumerate(nodes)}
+            keep.extend(offset + where[n] for n in want[b])
+        offset += len(nodes)
+    return lin, pos, brow, qnodes, keep
 
 
 def _causal_tail(tree: TokenTree, nodes: list[int]) -> bool:
