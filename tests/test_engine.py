@@ -394,7 +394,7 @@ def test_decode_attention_equals_tree_attention_on_paged_blocks():
 def test_greedy_proof_fails_without_the_tree_mask(models, prompts_and_greedy, spec, monkeypatch):
     """The 50-prompt proof can fail: verify trees under a causal chain mask (each node
     sees every earlier node, siblings too) and the outputs leave the target's greedy."""
-    import tree_dev.engine as engine_mod
+    import tree_dev.model_runner as runner_mod
     from tree_dev.tree import TokenTree, TreeBatch
 
     target, _, draft = models
@@ -406,8 +406,8 @@ def test_greedy_proof_fails_without_the_tree_mask(models, prompts_and_greedy, sp
     def chain_mask(tree):
         return torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
 
-    monkeypatch.setattr(engine_mod, "_batch_of", chain_masks)  # the tree kernel's path
-    monkeypatch.setattr(engine_mod, "_visible", chain_mask)  # the row path's
+    monkeypatch.setattr(runner_mod, "_batch_of", chain_masks)  # the tree kernel's path
+    monkeypatch.setattr(runner_mod, "_visible", chain_mask)  # the row path's
     engine = Engine(target, draft, tree=spec, max_batch=16)
     got = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert sum(g != w for g, w in zip(got, want)) > 0
@@ -419,7 +419,7 @@ def test_small_forward_rows_equal_tree_attention(monkeypatch):
     cached ones) and, on the CPU's torch backend, whole verify trees of up to
     ``ROW_PATH_TREE_NODES`` nodes; the kernel runs only when the path is forced."""
     import kernels
-    from tree_dev.engine import ROW_PATH_TREE_NODES, Runner
+    from tree_dev.model_runner import ROW_PATH_TREE_NODES, Runner
     from tree_dev.testing import random_tree
 
     model = tiny_llama(4)

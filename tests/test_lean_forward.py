@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-import tree_dev.engine as engine_mod
+import tree_dev.model_runner as runner_mod
 from tests.factories import tiny_llama
 from tree_dev.attention import register
-from tree_dev.engine import Runner
 from tree_dev.lean_forward import forget, lean_supported
+from tree_dev.model_runner import Runner
 from tree_dev.models.eagle import EagleHead
 from tree_dev.narrow_linear import narrow_available, use_narrow_linears
 from tree_dev.onednn_linear import use_onednn_linears
@@ -24,9 +24,9 @@ VOCAB = 64
 def lean_calls(monkeypatch) -> list[int]:
     """How many forwards took the lean path."""
     calls: list[int] = []
-    real = engine_mod.llama_forward
+    real = runner_mod.llama_forward
     monkeypatch.setattr(
-        engine_mod, "llama_forward", lambda *a, **k: calls.append(1) or real(*a, **k)
+        runner_mod, "llama_forward", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     return calls
 

@@ -64,18 +64,18 @@ def test_trie_is_lossless_on_50_held_out_prompts(target, prompts, plain, spec):
 def test_greedy_proof_fails_without_the_tree_mask(target, prompts, plain, monkeypatch):
     """Verify the trie's trees under a causal chain mask (siblings see each other): the
     outputs leave plain greedy, so the lossless test above can fail."""
-    import tree_dev.engine as engine_mod
+    import tree_dev.model_runner as runner_mod
     from tree_dev.tree import TokenTree, TreeBatch
 
     monkeypatch.setattr(
-        engine_mod,
+        runner_mod,
         "_batch_of",
         lambda trees, device: TreeBatch(
             [TokenTree.chain(t.num_nodes - 1) for t in trees], device=device
         ),
     )
     monkeypatch.setattr(
-        engine_mod, "_visible", lambda tree: torch.ones(tree.num_nodes, tree.num_nodes).tril() > 0
+        runner_mod, "_visible", lambda tree: torch.ones(tree.num_nodes, tree.num_nodes).tril() > 0
     )
     _, got = _run(target, prompts[:16], "ngram:budget=8,matches=4")
     assert sum(g != w for g, w in zip(got, plain[:16])) > 0

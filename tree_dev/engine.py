@@ -39,26 +39,36 @@ accepted path is not already in place.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 import kernels
 from kernels.reference import target_probs
 from kernels.torchops.tree_walk import sample_inverse_cdf
-from tree_dev.attention import TreeForward, register
-from tree_dev.kv_cache import PagedKVCache
-from tree_dev.lean_forward import lean_supported, llama_forward
+from tree_dev.attention import register
+from tree_dev.model_runner import (
+    PREFILL_CHUNK,
+    Runner,
+    _attn_geometry,
+    _tree_batch,
+    load_causal_lm,
+)
 from tree_dev.narrow_linear import narrow_available, use_narrow_linears
 from tree_dev.onednn_linear import onednn_faster, use_onednn_linears
-from tree_dev.proposer import NgramHistory, expansion_for, ngram_trie, tree_of
+from tree_dev.proposer import NgramHistory, expansion_for, ngram_trie
+from tree_dev.requests import (
+    Request,
+    RequestStep,
+    SamplingParams,
+    StepEvent,
+    StepOutput,
+)
 from tree_dev.spec import (
     HybridPolicy,
     NgramPolicy,
@@ -67,365 +77,15 @@ from tree_dev.spec import (
     StaticPolicy,
     parse_tree_spec,
 )
-from tree_dev.step import (
-    DepthStats,
-    DraftBatch,
-    DraftRequest,
-    Proposal,
-    grow_trees,
-    walk_mode,
-    walk_trees,
-)
-from tree_dev.tree import TokenTree, TreeBatch
+from tree_dev.step import DraftBatch, DraftRequest, Proposal, grow_trees, walk_trees
+from tree_dev.tree import TokenTree
 
-PREFILL_CHUNK = 256
+__all__ = ["Engine", "Request", "RequestStep", "SamplingParams", "StepEvent", "StepOutput"]
+__all__ += ["Runner", "load_causal_lm"]
+
 _ROOT_ONLY = TokenTree.chain(0)  # plain decoding's tree (immutable, its properties cached)
-
-
-def _tree_batch(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch:
-    return TreeBatch(list(trees), device=device)
-
-
-# one builder, two caches: the verify forward's and the walk's (patched apart in tests)
-_batch_of = lru_cache(maxsize=1024)(_tree_batch)
+# the walk's tree batches (the verify forward caches its own: model_runner._batch_of)
 _walk_batch = lru_cache(maxsize=1024)(_tree_batch)
-
-
-# forwards of at most this many new nodes per request and in all attend row by row
-# (one masked SDPA call per request and layer, no tree plan): decode steps and draft
-# levels on every backend; with the torch backend on the CPU also tree verifies of up
-# to ROW_PATH_TREE_NODES nodes, where one SDPA call over the request's cache view with
-# the tree's mask (built once per forward) measured about half the torch tree kernel's
-# time per layer (107-171 vs 210-358 us, 5-33 nodes after 150 cached tokens)
-ROW_PATH_NODES = 4
-ROW_PATH_ROWS = 16
-ROW_PATH_TREE_NODES = 64
-ROW_PATH_TREE_ROWS = 512
-
-
-def _visible(tree: TokenTree) -> torch.Tensor:
-    """``bool [N, N]``: node i sees node j (j is i or an ancestor): the row path's mask."""
-    return tree.ancestor_mask
-
-
-# --------------------------------------------------------------------------- requests
-@dataclass
-class SamplingParams:
-    """Per-request decoding parameters (OpenAI-style).
-
-    ``temperature == 0`` is greedy. ``seed`` makes sampling reproducible.
-    ``stop_token_ids`` end the request (the stop token is kept in the output);
-    ``ignore_eos`` keeps going past the model's EOS token.
-    """
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-
-
-@dataclass
-class Request:
-    """One request's state. The committed text is ``prompt + output``; its last
-    token is the ``root``, whose K/V is not in the target cache yet."""
-
-    req_id: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    output: list[int] = field(default_factory=list)
-    target_len: int = 0  # committed tokens with K/V in the target cache
-    draft_len: int = 0  # committed tokens with K/V in the draft cache
-    pending: list[int] = field(default_factory=list)  # committed, not in draft cache; last = root
-    pending_feats: torch.Tensor | None = None  # EAGLE: target feature before each pending token
-    finished: bool = False
-    finish_reason: str | None = None
-    depth: DepthStats = field(default_factory=DepthStats)  # per-depth acceptance so far
-    sampled_drafts: bool = False  # children drawn without replacement from the draft
-
-    @property
-    def root(self) -> int:
-        return (self.prompt + self.output)[-1]
-
-    @property
-    def mode(self) -> str:
-        return walk_mode(self.params.temperature, self.sampled_drafts)
-
-    @property
-    def steps(self) -> int:
-        return self.depth.steps
-
-    @property
-    def accepted_drafts(self) -> int:
-        return self.depth.accepted_drafts
-
-    @property
-    def depth_tried(self) -> list[int]:
-        """Per depth: steps whose tree reached it."""
-        return self.depth.tried
-
-    @property
-    def depth_accepted(self) -> list[int]:
-        """Per depth: steps that accepted a draft token there."""
-        return self.depth.accepted
-
-    def stats(self) -> dict:
-        """Speculative-decoding statistics of this request so far."""
-        return {
-            "steps": self.steps,
-            "accepted_draft_tokens": self.accepted_drafts,
-            "mean_accepted_length": (len(self.output) / self.steps) if self.steps else 0.0,
-            "acceptance_per_depth": self.depth.acceptance_per_depth(),
-        }
-
-
-@dataclass
-class StepOutput:
-    """What one ``Engine.step`` produced for one request."""
-
-    req_id: int
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
-class RequestStep:
-    """One request in one verify step (``StepEvent``): the tree the target scored and the
-    path the walk accepted."""
-
-    req_id: int
-    prefix_len: int  # committed tokens cached before the root; the root's position
-    context: list[int]  # committed tokens, root last (len prefix_len + 1)
-    parents: list[int]  # [N] node parents (-1: the root)
-    tokens: list[int]  # [N] node tokens
-    max_depth: int  # the tree's depth (0: the root alone)
-    accepted: list[int] = field(default_factory=list)  # accepted node ids, root first
-    emitted: list[int] = field(default_factory=list)  # the walk's tokens: drafts + bonus
-
-
-@dataclass
-class StepEvent:
-    """What one ``Engine.step`` did, for subscribers (``Engine.on_step``): every request's
-    tree and accepted path, and the step's draft / verify / walk seconds."""
-
-    requests: list[RequestStep]
-    timings: dict[str, float]
-
-
-# --------------------------------------------------------------------------- model runner
-class Runner:
-    """One model (target, draft LM or EAGLE head) with its own paged KV cache.
-
-    ``forward`` runs one packed forward over new tree nodes of several requests;
-    ``prefill`` pushes committed token chains into the cache in chunks.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        num_blocks: int,
-        block_size: int,
-        backend: str,
-        eagle: bool = False,
-        tree_kernel: bool = False,
-    ):
-        p = next(model.parameters())
-        self.model = model
-        self.eagle = eagle
-        self.backend = backend
-        self.cache = PagedKVCache(
-            num_layers, num_blocks, block_size, kv_heads, head_dim, p.dtype, p.device
-        )
-        self.device = p.device
-        cpu_torch = self.device.type == "cpu" and backend in ("auto", "torch") and not tree_kernel
-        self.row_nodes = ROW_PATH_TREE_NODES if cpu_torch else ROW_PATH_NODES
-        self.row_rows = ROW_PATH_TREE_ROWS if cpu_torch else ROW_PATH_ROWS
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        req_ids: list[int],
-        prefix_lens: list[int],
-        trees: list[TokenTree],
-        new_nodes: list[list[int]] | None,
-        tokens: list[int],
-        feats: torch.Tensor | None = None,
-        want_logits: bool = True,
-        logit_rows: list[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Compute the new nodes of each request's tree.
-
-        Args:
-            req_ids, prefix_lens, trees: per request; the tree's nodes live at
-                cache positions ``prefix_len + node``.
-            new_nodes: per request, the local nodes computed now (ascending), or
-                None for all nodes. Other nodes' K/V must already be cached.
-            tokens: token id of every new node, packed in request order.
-            feats: EAGLE only, ``[T_new, H]`` target features paired with tokens.
-            logit_rows: the packed rows whose logits are wanted (None: all).
-
-        Returns:
-            ``hidden [T_new, H]`` (the model's final hidden state) and
-            ``logits [len(logit_rows) or T_new, V]`` (None unless ``want_logits``).
-        """
-        nodes_per = [range(t.num_nodes) for t in trees] if new_nodes is None else new_nodes
-        if max(len(n) for n in nodes_per) <= self.row_nodes and sum(map(len, nodes_per)) <= (
-            self.row_rows
-        ):
-            return self._forward_rows(
-                req_ids, prefix_lens, trees, nodes_per, tokens, feats, want_logits, logit_rows
-            )
-        batch = _batch_of(tuple(trees), self.device)
-        positions, slots, rows = [], [], []
-        for r, (rid, plen, tree) in enumerate(zip(req_ids, prefix_lens, trees)):
-            self.cache.reserve(rid, plen + tree.num_nodes)
-            nodes_t = torch.tensor(list(nodes_per[r]), dtype=torch.int64)
-            positions.append(plen + tree.depth[nodes_t])
-            slots.append(self.cache.slots(rid, plen + nodes_t))
-            rows.append(int(batch.cu_nodes[r]) + nodes_t)
-        ctx = TreeForward(
-            cache=self.cache,
-            tree=batch,
-            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=self.device),
-            block_table=self.cache.block_table(req_ids),
-            write_slots=torch.cat(slots).to(self.device),
-            new_rows=None if new_nodes is None else torch.cat(rows).to(self.device),
-            backend=self.backend,
-        )
-        pos = torch.cat(positions).to(self.device)
-        return self._run(tokens, pos, ctx, feats, want_logits, logit_rows)
-
-    def _forward_rows(
-        self, req_ids, prefix_lens, trees, nodes_per, tokens, feats, want_logits, logit_rows
-    ):
-        """``forward`` of a few new nodes (a decode step, a draft level): per request,
-        one SDPA call per layer over a view of its cache (prefix + tree nodes, when its
-        blocks are consecutive), masked to each node's prefix and root path (no mask for
-        a single node that sees everything: a plain decode step)."""
-        cache, positions, slots, kv = self.cache, [], [], []
-        for rid, plen, tree, nodes in zip(req_ids, prefix_lens, trees, nodes_per):
-            n_all = tree.num_nodes
-            cache.reserve(rid, plen + n_all)
-            if n_all == 1:
-                positions.append(plen)
-                slots.append(cache.slot(rid, plen))
-                kv.append((cache.causal_slots(rid, plen + 1), None))
-                continue
-            depth = tree.depth.tolist()
-            last = max(nodes)
-            for n in nodes:
-                positions.append(plen + depth[n])
-                slots.append(cache.slot(rid, plen + n))
-            mask = None
-            if len(nodes) > 1 or depth[last] != last:  # else: a chain's last node
-                mask = torch.ones(len(nodes), plen + last + 1, dtype=torch.bool)
-                mask[:, plen:] = _visible(tree)[list(nodes), : last + 1]
-                mask = mask.to(self.device)
-            kv.append((cache.causal_slots(rid, plen + last + 1), mask))
-        ctx = TreeForward(
-            cache=cache,
-            tree=None,
-            prefix_lens=None,
-            block_table=None,
-            write_slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            new_rows=None,
-            backend=self.backend,
-            causal_kv=kv,
-            causal_rows=[len(n) for n in nodes_per],
-        )
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return self._run(tokens, pos_t, ctx, feats, want_logits, logit_rows)
-
-    def _run(self, tokens, positions, ctx, feats, want_logits, logit_rows=None):
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)[None]
-        pos = positions[None]
-        m = self.model
-        if self.eagle:  # EagleHead.forward, with the lm_head on the wanted rows only
-            z = m.fc(torch.cat([m.embed(ids), feats[None].to(m.fc.weight.dtype)], -1))
-            if lean_supported(m.decoder):
-                hidden = llama_forward(m.decoder, pos, ctx, inputs_embeds=z)[0]
-            else:
-                out = m.decoder(inputs_embeds=z, position_ids=pos, use_cache=False, tree_ctx=ctx)
-                hidden = out.last_hidden_state[0]
-        elif lean_supported(m.model):
-            hidden = llama_forward(m.model, pos, ctx, input_ids=ids)[0]
-        else:
-            out = m.model(input_ids=ids, position_ids=pos, use_cache=False, tree_ctx=ctx)
-            hidden = out.last_hidden_state[0]
-        head = m.lm_head
-        if not want_logits:
-            return hidden, None
-        return hidden, head(hidden if logit_rows is None else hidden[logit_rows])
-
-    def prefill(
-        self,
-        req_ids: list[int],
-        starts: list[int],
-        chains: list[list[int]],
-        feats: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """Append committed token chains to the cache (causal = chain trees).
-
-        Returns each request's hidden states ``[len(chain), H]``.
-        """
-        hidden: list[list[torch.Tensor]] = [[] for _ in req_ids]
-        offset = 0
-        longest = max((len(c) for c in chains), default=0)
-        while offset < longest:
-            idx = [i for i, c in enumerate(chains) if len(c) > offset]
-            parts = [chains[i][offset : offset + PREFILL_CHUNK] for i in idx]
-            f = None
-            if feats is not None:
-                f = torch.cat([feats[i][offset : offset + len(p)] for i, p in zip(idx, parts)])
-            h, _ = self.forward(
-                [req_ids[i] for i in idx],
-                [starts[i] + offset for i in idx],
-                [tree_of((-1, *range(len(p) - 1))) for p in parts],
-                None,
-                [t for p in parts for t in p],
-                feats=f,
-                want_logits=False,
-            )
-            for i, part in zip(idx, h.split([len(p) for p in parts])):
-                hidden[i].append(part)
-            offset += PREFILL_CHUNK
-        return [torch.cat(h) if h else torch.empty(0) for h in hidden]
-
-
-def _attn_geometry(config) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, config.num_key_value_heads or heads, head_dim
-
-
-def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained`` from a local directory, no network.
-
-    ``path`` is a model directory, a model-set directory (its ``target/`` is loaded) or a
-    model name of ``tree_dev.models.named`` (``smollm2-135m`` is fetched on first use).
-    """
-    from .models.named import resolve_model
-
-    p = resolve_model(path)
-    if not (p / "config.json").is_file() and (p / "target" / "config.json").is_file():
-        p = p / "target"
-    if not (p / "config.json").is_file():
-        raise ValueError(f"{p} is not a model directory (no config.json)")
-    return AutoModelForCausalLM.from_pretrained(p, dtype=dtype, local_files_only=True).eval()
 
 
 def _switch_linears(models, onednn_linear: bool | None, narrow_linear: bool | None) -> None:
