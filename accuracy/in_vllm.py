@@ -97,7 +97,6 @@ _CAPTURE_KEYS = {
 }
 _LAYER_RE = re.compile(r"(^|.*\.)layers\.\d+$")
 _STATE_ATTR = "_treespec_accuracy"
-TREE_ATTR = "treespec_tree_batch"
 _installed = {"done": False}
 
 
@@ -655,11 +654,15 @@ def runner_state(runner) -> _RunnerState:
 
 
 def _tree_meta(runner, meta: dict[str, Any]) -> dict[str, Any] | None:
-    """The tree plugin's ``treespec_tree_batch`` of this pass as :class:`TreeMetadata`
-    fields (slots of each request's tree, in request order), or None."""
-    tb = getattr(runner, TREE_ATTR, None)
-    if not tb:
+    """The tree plugin's trees of this pass (``tree_dev.vllm_plugin.runner.verify_trees``)
+    as :class:`TreeMetadata` fields (slots of each request's tree, in request order), or
+    None."""
+    from tree_dev.vllm_plugin.runner import verify_trees
+
+    trees = verify_trees(runner)
+    if trees is None:
         return None
+    tb = trees.as_dict()
     parents, tokens, cu = [], [], [0]
     order = {r: i for i, r in enumerate(tb["req_ids"])}
     for r in meta["req_ids"]:

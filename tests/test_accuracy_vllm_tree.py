@@ -1,6 +1,6 @@
 """Tree-aware capture inside vLLM with the tree plugin (``tree_dev.vllm_plugin``).
 
-The tree plugin sets ``runner.treespec_tree_batch`` before each verify forward; the
+The tree plugin describes each verify forward's trees (``runner.verify_trees``); the
 accuracy plugin stores it (and each request's committed context) with the pass. Then
 ``python -m accuracy tree DENSE TREE --hf-model TARGET`` pairs every node with HF dense
 decoding of its root-to-node path: it passes on the real plugin, and with the tree mask
@@ -69,7 +69,7 @@ def test_verify_passes_carry_the_tree_and_match_dense_hf_per_node(tmp_path):
     cap = _capture(tmp_path, None)
     fwds = read(cap)
     tagged = [f for f in fwds if f.metadata.extra.get("tree_batch")]
-    assert tagged, "no pass carries the tree plugin's treespec_tree_batch"
+    assert tagged, "no pass carries the tree plugin's verify trees"
     passes = vllm_tree_passes(fwds)
     assert len(passes) >= len(tagged)
     branching = [

@@ -11,7 +11,8 @@ A speculative step of one request, whichever engine runs it:
 3. **verify**: the engine's target scores every node of every tree in one forward.
 4. **walk** (``walk_trees``): ``kernels.tree_walk`` per sampling mode (``walk_mode``)
    gives each request's accepted path and the tokens it emits.
-5. **bookkeeping** (``DepthStats``): per-depth acceptance.
+5. **bookkeeping** (``DepthStats``): per-depth acceptance; ``VerifyTrees`` describes a
+   verify forward's trees to other tooling (the accuracy capture).
 
 The engines differ only in how they run a model and move KV, and say so through two
 callables: a ``DraftForward`` (the draft over some requests' new tree nodes) and the tree
@@ -263,6 +264,34 @@ def _absorb(r: DraftRequest, want: list[int], logprobs: torch.Tensor, outs: torc
             r._feats.append(r._outs[parent])
         r._fwd[c] = len(r._parents) - 1
         r._new.append(len(r._parents) - 1)
+
+
+# --------------------------------------------------------------------------- verify
+@dataclass(frozen=True)
+class VerifyTrees:
+    """The trees of one verify forward, in request order: the documented interface other
+    tooling reads (the accuracy capture stores it with each captured pass).
+
+    Attributes:
+        req_ids: the requests verifying a tree.
+        parents: per request, its tree's parents (``-1``: the root), as verified (a tree
+            the scheduler cut is its breadth-first prefix).
+        tokens: per request, the token of every node, the root first.
+        prefix_lens: per request, committed tokens before the root (the root's position).
+    """
+
+    req_ids: list
+    parents: list[list[int]]
+    tokens: list[list[int]]
+    prefix_lens: list[int]
+
+    def as_dict(self) -> dict[str, list]:
+        return {
+            "req_ids": list(self.req_ids),
+            "parents": [list(p) for p in self.parents],
+            "tokens": [list(t) for t in self.tokens],
+            "prefix_lens": list(self.prefix_lens),
+        }
 
 
 # --------------------------------------------------------------------------- walk

@@ -33,7 +33,14 @@ import torch
 
 from tree_dev.proposer import NgramHistory, tree_of
 from tree_dev.spec import is_ngram
-from tree_dev.step import GREEDY_TEMPERATURE, DepthStats, Proposal, walk_mode, walk_trees
+from tree_dev.step import (
+    GREEDY_TEMPERATURE,
+    DepthStats,
+    Proposal,
+    VerifyTrees,
+    walk_mode,
+    walk_trees,
+)
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin import attention
 from tree_dev.vllm_plugin.config import TreeConfig, draft_slots
@@ -114,6 +121,7 @@ class TreeRunner:
         self.history = NgramHistory(getattr(cfg.policy, "history", 0))
         self.contexts: dict[str, list[int]] = {}
         self.verify: _Verify | None = None
+        self.verify_trees: VerifyTrees | None = None  # this step's, for other tooling
         self.stats = Stats()
         self.recorded: list[dict] = []  # the first cfg.record_trees proposals
         self.target_layers: list[str] = []
@@ -173,7 +181,7 @@ class TreeRunner:
         specs = scheduler_output.scheduled_spec_decode_tokens
         self.verify = None
         attention.ACTIVE.verify = None
-        r.treespec_tree_batch = None  # read by the accuracy tooling's capture
+        self.verify_trees = None  # read by the accuracy tooling's capture (verify_trees)
         self.accepted = {}
         n = batch.num_reqs
         self.step = (
@@ -214,12 +222,9 @@ class TreeRunner:
         if not idx:
             return
         self.verify = _Verify(idx, rids, prefix, trees, toks, qs)
-        r.treespec_tree_batch = {
-            "req_ids": list(rids),
-            "parents": [t.parents.tolist() for t in trees],
-            "tokens": [list(t) for t in toks],
-            "prefix_lens": list(prefix),
-        }
+        self.verify_trees = VerifyTrees(
+            list(rids), [t.parents.tolist() for t in trees], [list(t) for t in toks], list(prefix)
+        )
         # A chain's rows are what vLLM verifies anyway (positions P + node = P + depth,
         # the causal mask = its ancestors): vLLM's own kernel is exact for them.
         branched = [k for k, t in enumerate(trees) if t.max_depth != t.num_nodes - 1]
@@ -485,6 +490,14 @@ class TreeRunner:
 
 def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
     return int(row[pos // block_size]) * block_size + pos % block_size
+
+
+def verify_trees(model_runner) -> VerifyTrees | None:
+    """The trees of the verify forward a vLLM model runner is about to run (None: no tree
+    in this step, or no tree plugin on this runner): set after vLLM prepares the step's
+    inputs, before the model's forward. The accuracy capture reads it here."""
+    st = getattr(model_runner, "_treespec", None)
+    return st.verify_trees if st is not None else None
 
 
 def worker_tree_stats(worker) -> dict:
