@@ -39,6 +39,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -293,7 +294,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--quick", action="store_true", help="small grid")
@@ -317,19 +319,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--sweep", action="store_true", help="CUDA: Triton configs x splits at the goal shape"
     )
     ap.add_argument("--out", default="results")
-    args = ap.parse_args(argv)
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
-    if not cuda:
-        torch.set_num_threads(args.threads)
-    heads = args.heads or (32 if cuda else 8)
-    kv_heads = args.kv_heads or (8 if cuda else 2)
-    nodes = args.nodes or ([8, 64] if args.quick else [8, 32, 64, 128])
-    prefixes = args.prefix or ([1024, 8192] if args.quick else [1024, 8192, 32768])
-    batches = args.batch or ([1] if args.quick else [1, 8])
-    dtypes = args.dtypes or (["bf16"] if args.quick and cuda else list(DTYPES))
+    return ap.parse_args(argv)
 
+
+def _backends(cuda: bool) -> tuple[list[str], dict[str, str]]:
+    """``(backends timed, {backend left out: why})`` on this device."""
     backends, notes = [], {}
     for name in ("torch", "triton", "nki"):
         ok, note = kernels.backend_status(name)
@@ -343,82 +337,109 @@ def main(argv: list[str] | None = None) -> dict:
             notes[name] = "skipped on CUDA: the torch backend is the CPU path"
         else:
             backends.append(name)
-    clock = (
-        "CUDA-graph replays" if cuda else f"{args.clock} time, {torch.get_num_threads()} thread(s)"
-    )
-    print(
-        f"device {args.device}, heads {heads}/{kv_heads}x{args.head_dim}, backends {backends}, "
-        f"medians of {clock}"
-    )
-    for name, note in notes.items():
-        print(f"  {name}: {note}")
+    return backends, notes
 
-    sweep = []
-    if cuda and args.sweep and "triton" in backends:
-        sweep = sweep_cuda(heads, kv_heads, args.head_dim, graphs=not args.no_graphs)
 
-    rows = []
+@dataclass
+class _Plan:
+    """What one run times: the head shape, the backends and the grid of shapes."""
+
+    cuda: bool
+    heads: int
+    kv_heads: int
+    backends: list[str]
+    notes: dict[str, str]
+    grid: list[tuple[str, int, int, int]]  # (dtype, batch, nodes, prefix)
+
+
+def _plan(args: argparse.Namespace, cuda: bool) -> _Plan:
+    """The head shape, backends and shape grid from the command line (CUDA: goal shape first)."""
+    heads = args.heads or (32 if cuda else 8)
+    kv_heads = args.kv_heads or (8 if cuda else 2)
+    nodes = args.nodes or ([8, 64] if args.quick else [8, 32, 64, 128])
+    prefixes = args.prefix or ([1024, 8192] if args.quick else [1024, 8192, 32768])
+    batches = args.batch or ([1] if args.quick else [1, 8])
+    dtypes = args.dtypes or (["bf16"] if args.quick and cuda else list(DTYPES))
+    backends, notes = _backends(cuda)
     grid = [(dt, b, n, p) for dt in dtypes for b in batches for p in prefixes for n in nodes]
     if cuda:  # the goal shape first, so a cut-short run still answers the question
         grid.sort(key=lambda s: (s[2], s[3]) != (64, 8192))
-    out = Path(args.out)
-    report = dict(
-        device=args.device,
-        device_name=torch.cuda.get_device_name() if cuda else "cpu",
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
-        clock="cuda events" if cuda else args.clock,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=args.head_dim,
-        page_size=PAGE,
-        notes=notes,
-        rows=rows,
-        sweep=sweep,
+    return _Plan(cuda, heads, kv_heads, backends, notes, grid)
+
+
+def _print_header(args: argparse.Namespace, plan: _Plan) -> None:
+    """The device, head shape, backends and clock, and why any backend is left out."""
+    clock = (
+        "CUDA-graph replays"
+        if plan.cuda
+        else f"{args.clock} time, {torch.get_num_threads()} thread(s)"
     )
-    for dt, b, n, p in tqdm(grid, desc="shapes"):
-        case = make_case(b, n, p, heads, kv_heads, args.head_dim, DTYPES[dt], args.device)
-        fns = methods(case, backends)
-        errs = max_error(fns, case)
-        if cuda:
-            med = time_cuda(fns, graphs=not args.no_graphs)
-        else:
-            # Two side-by-side groups: the page gather's big short-lived tensors would
-            # disturb the allocator state the other columns run in.
-            paged = [f"{b}_paged" for b in backends] + ["dense_sdpa_paged"]
-            main_fns = {k: f for k, f in fns.items() if k != "dense_sdpa_paged"}
-            med = time_cpu(main_fns, min_rounds=3, budget_s=args.budget, clock=args.clock)
-            med2 = time_cpu(
-                {k: fns[k] for k in paged}, min_rounds=3, budget_s=args.budget, clock=args.clock
-            )
-            med["dense_sdpa_paged"] = med2.pop("dense_sdpa_paged")
-            med.update({f"{k} (paged group)": v for k, v in med2.items()})
-        row = dict(dtype=dt, batch=b, nodes=n, prefix=p, median_ms=med, max_abs_err=errs)
-        row["dense_mask_bytes"] = b * n * (p + n)  # bool mask of the dense baseline
-        if "torch_fused" in med:
-            row["torch_fused/dense_sdpa"] = med["torch_fused"] / med["dense_sdpa"]
-        for name in backends:
-            row[f"{name}/dense_sdpa"] = med[name] / med["dense_sdpa"]
-            row[f"{name}/decode_sdpa"] = med[name] / med["decode_sdpa"]
-            row[f"{name}_paged/dense_sdpa"] = med[f"{name}_paged"] / med["dense_sdpa"]
-            paged_ms = med.get(f"{name}_paged (paged group)", med[f"{name}_paged"])
-            row[f"{name}_paged/dense_sdpa_paged"] = paged_ms / med["dense_sdpa_paged"]
-        rows.append(row)
-        if cuda and "triton" in backends and (n, p) == (64, 8192):
-            tqdm.write(
-                f"GOAL {dt} B={b} N=64 prefix=8K: triton {med['triton']:.4f} ms "
-                f"(paged {med['triton_paged']:.4f}), decode {med['decode_sdpa']:.4f} ms -> "
-                f"{med['triton'] / med['decode_sdpa']:.2f}x decode (goal <= 1.3x); dense "
-                f"{med['dense_sdpa']:.4f} ms -> {med['dense_sdpa'] / med['triton']:.2f}x "
-                "faster than dense (goal >= 3x)"
-            )
-        atomic_write_bytes(
-            out / f"attention_{args.device}.json", json.dumps(report, indent=1).encode()
-        )
-        del case, fns
+    print(
+        f"device {args.device}, heads {plan.heads}/{plan.kv_heads}x{args.head_dim}, "
+        f"backends {plan.backends}, medians of {clock}"
+    )
+    for name, note in plan.notes.items():
+        print(f"  {name}: {note}")
 
-    plot(rows, out / f"attention_{args.device}.png", f"tree attention, {args.device}")
 
+def _time_shape(
+    args: argparse.Namespace, plan: _Plan, fns: dict[str, Callable]
+) -> dict[str, float]:
+    """Median ms of every column at one shape (CPU: the paged columns in a second group)."""
+    if plan.cuda:
+        return time_cuda(fns, graphs=not args.no_graphs)
+    # Two side-by-side groups: the page gather's big short-lived tensors would
+    # disturb the allocator state the other columns run in.
+    paged = [f"{b}_paged" for b in plan.backends] + ["dense_sdpa_paged"]
+    main_fns = {k: f for k, f in fns.items() if k != "dense_sdpa_paged"}
+    med = time_cpu(main_fns, min_rounds=3, budget_s=args.budget, clock=args.clock)
+    med2 = time_cpu(
+        {k: fns[k] for k in paged}, min_rounds=3, budget_s=args.budget, clock=args.clock
+    )
+    med["dense_sdpa_paged"] = med2.pop("dense_sdpa_paged")
+    med.update({f"{k} (paged group)": v for k, v in med2.items()})
+    return med
+
+
+def _ratios(row: dict, med: dict[str, float], backends: list[str]) -> None:
+    """Add each backend's time over dense masked SDPA and decode SDPA to ``row``."""
+    if "torch_fused" in med:
+        row["torch_fused/dense_sdpa"] = med["torch_fused"] / med["dense_sdpa"]
+    for name in backends:
+        row[f"{name}/dense_sdpa"] = med[name] / med["dense_sdpa"]
+        row[f"{name}/decode_sdpa"] = med[name] / med["decode_sdpa"]
+        row[f"{name}_paged/dense_sdpa"] = med[f"{name}_paged"] / med["dense_sdpa"]
+        paged_ms = med.get(f"{name}_paged (paged group)", med[f"{name}_paged"])
+        row[f"{name}_paged/dense_sdpa_paged"] = paged_ms / med["dense_sdpa_paged"]
+
+
+def _print_goal(dt: str, b: int, med: dict[str, float]) -> None:
+    """CUDA, the goal shape: Triton against decode and dense SDPA."""
+    tqdm.write(
+        f"GOAL {dt} B={b} N=64 prefix=8K: triton {med['triton']:.4f} ms "
+        f"(paged {med['triton_paged']:.4f}), decode {med['decode_sdpa']:.4f} ms -> "
+        f"{med['triton'] / med['decode_sdpa']:.2f}x decode (goal <= 1.3x); dense "
+        f"{med['dense_sdpa']:.4f} ms -> {med['dense_sdpa'] / med['triton']:.2f}x "
+        "faster than dense (goal >= 3x)"
+    )
+
+
+def _measure_shape(args: argparse.Namespace, plan: _Plan, dt: str, b: int, n: int, p: int) -> dict:
+    """One row of the report: every column timed at one shape, errors and ratios."""
+    case = make_case(b, n, p, plan.heads, plan.kv_heads, args.head_dim, DTYPES[dt], args.device)
+    fns = methods(case, plan.backends)
+    errs = max_error(fns, case)
+    med = _time_shape(args, plan, fns)
+    row = dict(dtype=dt, batch=b, nodes=n, prefix=p, median_ms=med, max_abs_err=errs)
+    row["dense_mask_bytes"] = b * n * (p + n)  # bool mask of the dense baseline
+    _ratios(row, med, plan.backends)
+    if plan.cuda and "triton" in plan.backends and (n, p) == (64, 8192):
+        _print_goal(dt, b, med)
+    return row
+
+
+def _print_summary(rows: list[dict], backends: list[str]) -> None:
+    """The ratio table and each backend's worst shape against dense masked SDPA."""
     cols = [f"{b}/dense_sdpa" for b in backends] + [f"{b}_paged/dense_sdpa" for b in backends]
     cols += ["torch_fused/dense_sdpa"] if "torch" in backends else []
     cols += [f"{b}_paged/dense_sdpa_paged" for b in backends]
@@ -434,6 +455,47 @@ def main(argv: list[str] | None = None) -> dict:
             f"B={worst['batch']} N={worst['nodes']} prefix={worst['prefix']} "
             f"(<= 1.0 means not slower than dense masked SDPA)"
         )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Time the grid, writing the report after every shape; returns the report."""
+    args = _parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    plan = _plan(args, cuda)
+    _print_header(args, plan)
+
+    sweep = []
+    if cuda and args.sweep and "triton" in plan.backends:
+        sweep = sweep_cuda(plan.heads, plan.kv_heads, args.head_dim, graphs=not args.no_graphs)
+
+    rows = []
+    out = Path(args.out)
+    report = dict(
+        device=args.device,
+        device_name=torch.cuda.get_device_name() if cuda else "cpu",
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        clock="cuda events" if cuda else args.clock,
+        heads=plan.heads,
+        kv_heads=plan.kv_heads,
+        head_dim=args.head_dim,
+        page_size=PAGE,
+        notes=plan.notes,
+        rows=rows,
+        sweep=sweep,
+    )
+    for dt, b, n, p in tqdm(plan.grid, desc="shapes"):
+        rows.append(_measure_shape(args, plan, dt, b, n, p))
+        atomic_write_bytes(
+            out / f"attention_{args.device}.json", json.dumps(report, indent=1).encode()
+        )
+
+    plot(rows, out / f"attention_{args.device}.png", f"tree attention, {args.device}")
+    _print_summary(rows, plan.backends)
     print(f"wrote {out / f'attention_{args.device}.json'} and .png")
     return report
 

@@ -410,7 +410,8 @@ def print_table(report: dict) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="8 prompts of 32 -> 32 tokens")
     p.add_argument(
@@ -440,18 +441,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--enforce-eager", action="store_true", help="vLLM servers without compile")
     p.add_argument("--torch-threads", type=int, help="the local server's torch threads")
     p.add_argument("--out", type=Path, default=RESULTS / "serve_load.json")
-    a = p.parse_args(argv)
-    a.concurrency = [int(c) for c in a.concurrency.split(",")]
-    a.temperatures = [float(t) for t in a.temperatures.split(",")]
-    if any(t < 0 for t in a.temperatures):
-        p.error(f"argument --temperatures: must be >= 0, got {a.temperatures}")
-    levels = [(c, t) for c in a.concurrency for t in a.temperatures]
-    a.rounds = a.rounds or (1 if a.quick else 3)
-    if a.rounds < 1:
-        p.error(f"argument --rounds: must be >= 1, got {a.rounds}")
-    a.num_prompts = a.num_prompts or (8 if a.quick else 32)
-    a.input_len = a.input_len or (32 if a.quick else 64)
-    a.output_len = a.output_len or (32 if a.quick else 64)
+    return p
+
+
+def _server_names(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
+    """The runs in order: ``--servers``, with one vllm-tree run per ``--vllm-tree``."""
     names = [n.strip() for n in a.servers.split(",") if n.strip()]
     for n in names:
         if n not in SERVERS:
@@ -459,12 +453,34 @@ def main(argv: list[str] | None = None) -> dict:
     if a.vllm_tree and "vllm-tree" in names:  # one run per policy, in place of the default
         i = names.index("vllm-tree")
         names[i : i + 1] = [f"vllm-tree={t}" if t else "vllm-tree" for t in a.vllm_tree]
-    from tree_dev.server.config import DEFAULT_MODEL_SET
+    return names
 
-    model_set = a.model or DEFAULT_MODEL_SET
-    target = model_set / "target" if (model_set / "target").is_dir() else model_set
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    report = {
+
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line (lists parsed, ``--quick``'s defaults filled in) and the run names."""
+    p = _parser()
+    a = p.parse_args(argv)
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.temperatures = [float(t) for t in a.temperatures.split(",")]
+    if any(t < 0 for t in a.temperatures):
+        p.error(f"argument --temperatures: must be >= 0, got {a.temperatures}")
+    a.rounds = a.rounds or (1 if a.quick else 3)
+    if a.rounds < 1:
+        p.error(f"argument --rounds: must be >= 1, got {a.rounds}")
+    a.num_prompts = a.num_prompts or (8 if a.quick else 32)
+    a.input_len = a.input_len or (32 if a.quick else 64)
+    a.output_len = a.output_len or (32 if a.quick else 64)
+    return a, _server_names(p, a)
+
+
+def _new_report(
+    a: argparse.Namespace,
+    argv: list[str] | None,
+    model_set: Path,
+    levels: list[tuple[int, float]],
+) -> dict:
+    """The report's configuration, with no runs yet."""
+    return {
         "model": str(model_set),
         "client": "vllm.benchmarks.serve (vllm bench serve), dataset random",
         "num_prompts": a.num_prompts,
@@ -478,43 +494,63 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m bench.serve_load " + " ".join(argv or sys.argv[1:]),
         "runs": [],
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    live: list[tuple[dict, ServerProcess]] = []
-    bar = tqdm(total=len(names) * len(levels) * a.rounds, desc="serve_load")
-    try:
-        for idx, name in enumerate(names):  # every server up first, then measured in turns
-            module = VLLM_SERVER_MODULE if name == "vllm-serve" else None
-            log_path = a.out.with_suffix(f".{idx}-{name.partition('=')[0]}.log")
-            srv = ServerProcess(server_command(name, model_set, a), log_path, module=module)
-            run = {"name": name, "command": srv.cmd, "log": str(log_path), "rounds": {}}
-            report["runs"].append(run)
-            try:
-                info = srv.wait_ready()
-                run["model_id"] = info["id"]
-                run["tree"] = (info.get("treespec") or {}).get("tree", "none")
-                run["server"] = info.get("treespec")
-                vllm_bench_serve(srv.base, info["id"], target, 1, _warmup(a))
-                live.append((run, srv))
-            except Exception as e:  # noqa: BLE001 - a server that fails is reported, not fatal
-                _failed(run, e)
-                srv.stop()
-        for _ in range(a.rounds):
-            for run, srv in live:
-                for c, t in levels:
-                    if "error" in run:
-                        break
-                    bar.set_postfix(server=run["name"], level=level_key(c, t))
-                    try:
-                        res = vllm_bench_serve(srv.base, run["model_id"], target, c, a, t)
-                    except Exception as e:  # noqa: BLE001
-                        _failed(run, e)
-                        break
-                    run["rounds"].setdefault(res["level"], []).append(res)
-                    bar.update()
-    finally:
-        for _, srv in live:
+
+
+def _start_servers(
+    names: list[str],
+    model_set: Path,
+    target: Path,
+    a: argparse.Namespace,
+    runs: list[dict],
+    live: list[tuple[dict, ServerProcess]],
+) -> None:
+    """Start every server and warm it up, appending its run to ``runs`` and, once ready,
+    to ``live``; a server that fails is reported in its run, not fatal."""
+    for idx, name in enumerate(names):  # every server up first, then measured in turns
+        module = VLLM_SERVER_MODULE if name == "vllm-serve" else None
+        log_path = a.out.with_suffix(f".{idx}-{name.partition('=')[0]}.log")
+        srv = ServerProcess(server_command(name, model_set, a), log_path, module=module)
+        run = {"name": name, "command": srv.cmd, "log": str(log_path), "rounds": {}}
+        runs.append(run)
+        try:
+            info = srv.wait_ready()
+            run["model_id"] = info["id"]
+            run["tree"] = (info.get("treespec") or {}).get("tree", "none")
+            run["server"] = info.get("treespec")
+            vllm_bench_serve(srv.base, info["id"], target, 1, _warmup(a))
+            live.append((run, srv))
+        except Exception as e:  # noqa: BLE001 - a server that fails is reported, not fatal
+            _failed(run, e)
             srv.stop()
-        bar.close()
+
+
+def _measure_rounds(
+    live: list[tuple[dict, ServerProcess]],
+    levels: list[tuple[int, float]],
+    target: Path,
+    a: argparse.Namespace,
+    bar: tqdm,
+) -> None:
+    """``--rounds`` turns of every live server through every level; a server's first
+    failure ends its measurements."""
+    for _ in range(a.rounds):
+        for run, srv in live:
+            for c, t in levels:
+                if "error" in run:
+                    break
+                bar.set_postfix(server=run["name"], level=level_key(c, t))
+                try:
+                    res = vllm_bench_serve(srv.base, run["model_id"], target, c, a, t)
+                except Exception as e:  # noqa: BLE001
+                    _failed(run, e)
+                    break
+                run["rounds"].setdefault(res["level"], []).append(res)
+                bar.update()
+
+
+def _summarize_runs(report: dict) -> None:
+    """Per run: the median round of every level, every round's throughput and the paired
+    ratios to ``vllm-serve``."""
     for run in report["runs"]:
         run["levels"] = [_median_round(rs) for rs in run["rounds"].values()]
         run["output_throughput_rounds"] = {
@@ -524,6 +560,29 @@ def main(argv: list[str] | None = None) -> dict:
     report["ratio_to_vllm_serve"] = {
         r["name"]: _paired_ratios(r, base) if base is not None else {} for r in report["runs"]
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Start the servers, measure them in turns, write and print the report; returns it."""
+    a, names = _parse_args(argv)
+    levels = [(c, t) for c in a.concurrency for t in a.temperatures]
+    from tree_dev.server.config import DEFAULT_MODEL_SET
+
+    model_set = a.model or DEFAULT_MODEL_SET
+    target = model_set / "target" if (model_set / "target").is_dir() else model_set
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    report = _new_report(a, argv, model_set, levels)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    live: list[tuple[dict, ServerProcess]] = []
+    bar = tqdm(total=len(names) * len(levels) * a.rounds, desc="serve_load")
+    try:
+        _start_servers(names, model_set, target, a, report["runs"], live)
+        _measure_rounds(live, levels, target, a, bar)
+    finally:
+        for _, srv in live:
+            srv.stop()
+        bar.close()
+    _summarize_runs(report)
     atomic_write_bytes(a.out, json.dumps(report, indent=2).encode())
     plot(report, a.out.with_suffix(".png"))
     print_table(report)

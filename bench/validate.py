@@ -365,6 +365,171 @@ def _first_two_way(rows_by_step, modules, threshold) -> Divergence | None:
 
 
 # --------------------------------------------------------------------------- validate
+_ThreeWay = dict[str, dict[int, list[ThreeWayComparisonResult]]]  # prompt -> step -> modules
+
+
+def _engine_pass(
+    target,
+    draft,
+    prompts: list[list[int]],
+    steps: int,
+    modules: list[str],
+    cap_root: Path,
+    *,
+    tree: str,
+    tdtype: torch.dtype,
+    kernel_backend: str,
+    device: str | torch.device,
+) -> list[list[RequestStep]]:
+    """Run the engine on copies of the models in ``tdtype`` for ``steps`` verify steps,
+    capturing every verify forward under ``cap_root/engine``."""
+    # engine: copies in the engine dtype (the engine switches its target to "treespec")
+    eng_target = copy.deepcopy(target).to(device, tdtype).eval()
+    eng_draft = copy.deepcopy(draft).to(device, tdtype).eval() if draft is not None else None
+    engine = Engine(
+        eng_target,
+        eng_draft,
+        tree=tree if eng_draft is not None else "none",
+        max_batch=len(prompts),
+        kernel_backend=kernel_backend,
+        tree_kernel=True,  # the verify forward under test is the tree-attention kernel's
+    )
+    eng_cap = _new_capture(eng_target, modules, cap_root / "engine", eng_target.model)
+    records = run_engine(engine, prompts, steps, eng_cap)
+    eng_cap.remove()
+    return records
+
+
+def _dense_passes(
+    target,
+    records: list[list[RequestStep]],
+    dense_dtypes: list[str],
+    modules: list[str],
+    cap_root: Path,
+    device: str | torch.device,
+) -> dict[str, dict[tuple[int, int], dict[int, Any]]]:
+    """Dense references along every root-to-node path of every verified tree, per dtype:
+    ``{dtype: {(step, request): {node: pass}}}``, captured under ``cap_root/dense_<dtype>``."""
+    dense_passes = {}
+    for dd in dense_dtypes:
+        model = dense_model(target, DTYPES[dd], device)
+        cap = _new_capture(model, modules, cap_root / f"dense_{dd}", model)
+        work = [(s, r, rec) for s, recs in enumerate(records) for r, rec in enumerate(recs)]
+        for s, r, rec in tqdm(work, desc=f"dense {dd}", leave=False):
+            dense_tree_decode(model, cap, rec, s, r)
+        cap.remove()
+        dense_passes[dd] = _dense_index(tensor_io.read(str(cap_root / f"dense_{dd}")))
+    return dense_passes
+
+
+def _greedy_mismatches(
+    step: int, recs: list[RequestStep], dense_lists: dict[int, list]
+) -> list[dict]:
+    """Tokens the engine emitted in ``step`` that differ from the dense argmax along the
+    accepted path."""
+    bad = []
+    for r, rec in enumerate(recs):
+        for i, node in enumerate(rec.accepted):
+            if i >= len(rec.emitted):
+                break
+            want = int(_rows_of(dense_lists[r][node], "lm_head")[0].argmax())
+            if want != rec.emitted[i]:
+                bad.append(dict(step=step, request=r, node=node, engine=rec.emitted[i], dense=want))
+    return bad
+
+
+def _compare_two_way(
+    records: list[list[RequestStep]],
+    tree_passes: dict[int, Any],
+    dense_ref: dict[tuple[int, int], dict[int, Any]],
+    modules: list[str],
+) -> tuple[dict[int, list[TreeNodeComparison]], dict[int, list[TreeNodePair]], list[dict], int]:
+    """Pair every tree node with its dense step and compare them per module, and check the
+    greedy tokens: ``(rows per step, pairs per step, greedy mismatches, nodes compared)``."""
+    rows: dict[int, list[TreeNodeComparison]] = {}
+    pairs_by_step: dict[int, list[TreeNodePair]] = {}
+    greedy_bad: list[dict] = []
+    nodes = 0
+    for s, recs in enumerate(records):
+        dense = {r: dense_ref[(s, r)] for r in range(len(recs))}
+        dense_lists = {r: [d[n] for n in range(len(d))] for r, d in dense.items()}
+        pairs = pair_nodes(tree_passes[s], dense_lists, recs)
+        pairs_by_step[s] = pairs
+        nodes += len(pairs)
+        rows[s] = compare_tree_with_dense(tree_passes[s], dense_lists, pairs, module_order=modules)
+        # engine greedy == dense argmax along the accepted path
+        greedy_bad += _greedy_mismatches(s, recs, dense_lists)
+    return rows, pairs_by_step, greedy_bad, nodes
+
+
+def _three_way_request(
+    tree_pass,
+    base_f: dict[int, Any],
+    exp_f: dict[int, Any],
+    prs: list[TreeNodePair],
+    modules: list[str],
+    config: DynamicThresholdConfig,
+) -> list[ThreeWayComparisonResult]:
+    """Three-way results per module of one request's nodes in one step."""
+    res = []
+    for m in modules:
+        tree_rows = _rows_of(tree_pass, m)
+        b = torch.stack([_rows_of(base_f[p.node], m)[0] for p in prs])
+        e = torch.stack([_rows_of(exp_f[p.node], m)[0] for p in prs])
+        a = torch.stack([tree_rows[p.tree_slot] for p in prs])
+        res.append(compare_tensors_three_way(b, e, a, normalize_name(m), config))
+    return res
+
+
+def _three_way(
+    records: list[list[RequestStep]],
+    pairs_by_step: dict[int, list[TreeNodePair]],
+    tree_passes: dict[int, Any],
+    dense_passes: dict[str, dict[tuple[int, int], dict[int, Any]]],
+    modules: list[str],
+    config: DynamicThresholdConfig,
+) -> _ThreeWay:
+    """Three-way results of every (request, step): baseline dense fp32, expected dense
+    bf16, actual engine bf16."""
+    three: _ThreeWay = {}
+    for s, recs in enumerate(records):
+        for r, rec in enumerate(recs):
+            prs = [p for p in pairs_by_step[s] if p.request == r]
+            three.setdefault(f"prompt_{rec.req_id}", {})[s] = _three_way_request(
+                tree_passes[s],
+                dense_passes["fp32"][(s, r)],
+                dense_passes["bf16"][(s, r)],
+                prs,
+                modules,
+                config,
+            )
+    return three
+
+
+def _three_way_verdict(
+    result: ValidationResult,
+    pairs_by_step: dict[int, list[TreeNodePair]],
+    tree_passes: dict[int, Any],
+    dense_passes: dict[str, dict[tuple[int, int], dict[int, Any]]],
+    config: DynamicThresholdConfig | None,
+) -> None:
+    """Fill in ``result``'s three-way results, pooled aggregate and verdict (bf16)."""
+    modules, records = result.modules, result.steps
+    if config is None:
+        width = min(_rows_of(tree_passes[0], m).shape[-1] for m in modules)
+        config = DynamicThresholdConfig(bc_bins=bc_bins_for(result.nodes_compared * width))
+    three = _three_way(records, pairs_by_step, tree_passes, dense_passes, modules, config)
+    agg = compute_aggregate_metrics(three, config)
+    result.three_way, result.aggregate, result.bc_bins = three, agg, config.bc_bins
+    for m in modules:
+        a = agg.get(normalize_name(m))
+        if a is not None and not a.passed:
+            where = _first_three_way(three, m, records, result.rows)
+            result.first_divergence = Divergence(m, *where, a.linf_ratio, "pooled L-inf ratio")
+            break
+    result.passed = result.first_divergence is None
+
+
 def validate(
     target,
     draft,
@@ -396,59 +561,29 @@ def validate(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if steps < 1 or not prompts:
         raise ValueError(f"need steps >= 1 and at least one prompt, got {steps}, {len(prompts)}")
-    tdtype = DTYPES[dtype]
     modules = capture_modules(target.config.num_hidden_layers)
     cap_root = Path(out_dir) / "captures"
     for sub in ("engine", "dense_fp32", "dense_bf16"):  # no stale passes of an earlier run
         shutil.rmtree(cap_root / sub, ignore_errors=True)
-    # engine: copies in the engine dtype (the engine switches its target to "treespec")
-    eng_target = copy.deepcopy(target).to(device, tdtype).eval()
-    eng_draft = copy.deepcopy(draft).to(device, tdtype).eval() if draft is not None else None
-    engine = Engine(
-        eng_target,
-        eng_draft,
-        tree=tree if eng_draft is not None else "none",
-        max_batch=len(prompts),
+    records = _engine_pass(
+        target,
+        draft,
+        prompts,
+        steps,
+        modules,
+        cap_root,
+        tree=tree,
+        tdtype=DTYPES[dtype],
         kernel_backend=kernel_backend,
-        tree_kernel=True,  # the verify forward under test is the tree-attention kernel's
+        device=device,
     )
-    eng_cap = _new_capture(eng_target, modules, cap_root / "engine", eng_target.model)
-    records = run_engine(engine, prompts, steps, eng_cap)
-    eng_cap.remove()
-    # dense references along every root-to-node path of every verified tree
     dense_dtypes = ["fp32"] if dtype == "fp32" else ["fp32", "bf16"]
-    dense_passes = {}
-    for dd in dense_dtypes:
-        model = dense_model(target, DTYPES[dd], device)
-        cap = _new_capture(model, modules, cap_root / f"dense_{dd}", model)
-        work = [(s, r, rec) for s, recs in enumerate(records) for r, rec in enumerate(recs)]
-        for s, r, rec in tqdm(work, desc=f"dense {dd}", leave=False):
-            dense_tree_decode(model, cap, rec, s, r)
-        cap.remove()
-        dense_passes[dd] = _dense_index(tensor_io.read(str(cap_root / f"dense_{dd}")))
+    dense_passes = _dense_passes(target, records, dense_dtypes, modules, cap_root, device)
     tree_passes = {f.metadata.extra["step"]: f for f in tensor_io.read(str(cap_root / "engine"))}
-    # pair and compare
     ref = "fp32" if dtype == "fp32" else "bf16"
-    rows: dict[int, list[TreeNodeComparison]] = {}
-    pairs_by_step: dict[int, list[TreeNodePair]] = {}
-    greedy_bad: list[dict] = []
-    nodes = 0
-    for s, recs in enumerate(records):
-        dense = {r: dense_passes[ref][(s, r)] for r in range(len(recs))}
-        dense_lists = {r: [d[n] for n in range(len(d))] for r, d in dense.items()}
-        pairs = pair_nodes(tree_passes[s], dense_lists, recs)
-        pairs_by_step[s] = pairs
-        nodes += len(pairs)
-        rows[s] = compare_tree_with_dense(tree_passes[s], dense_lists, pairs, module_order=modules)
-        for r, rec in enumerate(recs):  # engine greedy == dense argmax along the accepted path
-            for i, node in enumerate(rec.accepted):
-                if i >= len(rec.emitted):
-                    break
-                want = int(_rows_of(dense_lists[r][node], "lm_head")[0].argmax())
-                if want != rec.emitted[i]:
-                    greedy_bad.append(
-                        dict(step=s, request=r, node=node, engine=rec.emitted[i], dense=want)
-                    )
+    rows, pairs_by_step, greedy_bad, nodes = _compare_two_way(
+        records, tree_passes, dense_passes[ref], modules
+    )
     result = ValidationResult(
         passed=False,
         mode="two-way" if dtype == "fp32" else "three-way",
@@ -464,33 +599,7 @@ def validate(
         result.first_divergence = _first_two_way(rows, modules, threshold)
         result.passed = result.first_divergence is None and not greedy_bad
         return result
-    # three-way: baseline dense fp32, expected dense bf16, actual engine bf16
-    if config is None:
-        width = min(_rows_of(tree_passes[0], m).shape[-1] for m in modules)
-        config = DynamicThresholdConfig(bc_bins=bc_bins_for(nodes * width))
-    three: dict[str, dict[int, list[ThreeWayComparisonResult]]] = {}
-    for s, recs in enumerate(records):
-        for r, rec in enumerate(recs):
-            prs = [p for p in pairs_by_step[s] if p.request == r]
-            base_f = dense_passes["fp32"][(s, r)]
-            exp_f = dense_passes["bf16"][(s, r)]
-            res = []
-            for m in modules:
-                tree_rows = _rows_of(tree_passes[s], m)
-                b = torch.stack([_rows_of(base_f[p.node], m)[0] for p in prs])
-                e = torch.stack([_rows_of(exp_f[p.node], m)[0] for p in prs])
-                a = torch.stack([tree_rows[p.tree_slot] for p in prs])
-                res.append(compare_tensors_three_way(b, e, a, normalize_name(m), config))
-            three.setdefault(f"prompt_{rec.req_id}", {})[s] = res
-    agg = compute_aggregate_metrics(three, config)
-    result.three_way, result.aggregate, result.bc_bins = three, agg, config.bc_bins
-    for m in modules:
-        a = agg.get(normalize_name(m))
-        if a is not None and not a.passed:
-            where = _first_three_way(three, m, records, rows)
-            result.first_divergence = Divergence(m, *where, a.linf_ratio, "pooled L-inf ratio")
-            break
-    result.passed = result.first_divergence is None
+    _three_way_verdict(result, pairs_by_step, tree_passes, dense_passes, config)
     return result
 
 

@@ -41,6 +41,7 @@ import importlib.util
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import bench_llm
@@ -334,7 +335,8 @@ def plot(results: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
@@ -363,11 +365,23 @@ def main() -> None:
         default=str(ROOT / "results" / "vllm_e2e.json"),
         help="JSON file (a folder gets vllm_e2e.json in it); the plot goes beside it",
     )
-    args = ap.parse_args()
-    from tqdm import tqdm
+    return ap.parse_args()
 
-    from bench.io import atomic_write_json
 
+@dataclass
+class _Plan:
+    """What one run times: the engine grid (vLLM plain first), the prompts of every
+    scenario and rep, the warm-up prompts and the ``LLM`` arguments."""
+
+    n: int  # prompts per scenario and rep
+    grid: list[dict]
+    sets: list[list[list[list[int]]]]
+    warm: list[list[int]]
+    llm_kw: dict
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """The model's prompts and engine grid (``--only``: vLLM plain and the matching ones)."""
     n = args.prompts or (4 if args.quick else 8)
     total = n * len(SCENARIOS) * args.reps  # fresh prompts for every scenario and rep
     setup = model_setup(args.model, total + 2, args.prompt_tokens, args.eager)
@@ -377,7 +391,15 @@ def main() -> None:
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
-    # vLLM plain stays up: every other engine is timed in turns with it
+    return _Plan(n, grid, sets, warm, llm_kw)
+
+
+def _run_grid(plan: _Plan, args: argparse.Namespace) -> list[dict]:
+    """Every engine's results: vLLM plain alone, then each other engine timed in turns with
+    a resident vLLM plain."""
+    from tqdm import tqdm
+
+    grid, sets, llm_kw, warm = plan.grid, plan.sets, plan.llm_kw, plan.warm
     results = [run_engine(grid[0], sets, args.max_tokens, reps=args.reps, llm_kw=llm_kw, warm=warm)]
     plain, _ = start_engine(grid[0], llm_kw, warm)
     try:
@@ -385,6 +407,45 @@ def main() -> None:
             results.append(run_engine(cfg, sets, args.max_tokens, plain, args.reps, llm_kw, warm))
     finally:
         shutdown_engine(plain)
+    return results
+
+
+def _same_budget_chains(s: str, trees: list[dict], builtins: list[dict]) -> dict[str, dict]:
+    """Each tree over vLLM's chain with the same draft and node budget in scenario ``s``."""
+    matched = {}
+    for t in trees:  # vLLM's chain with the same draft and node budget
+        same = [b for b in builtins if (b["method"], b["budget"]) == (t["method"], t["budget"])]
+        if same:
+            # both measured beside vLLM plain: the ratio of their ratios
+            ratio = (
+                t["scenarios"][s]["ratio_to_vllm_plain"]
+                / same[0]["scenarios"][s]["ratio_to_vllm_plain"]
+            )
+            matched[t["name"]] = {"chain": same[0]["name"], "ratio": ratio}
+            print(f"    {t['name']} vs {same[0]['name']}: {ratio:.2f}x")
+    return matched
+
+
+def _causal_vs_tree_attention(s: str, trees: list[dict], twins: list[dict]) -> dict[str, float]:
+    """Each tree over its twin with draft tree attention in scenario ``s``: causal draft
+    levels through vLLM's kernel vs tree attention."""
+    out = {}
+    for twin in twins:
+        base = next((r for r in trees if twin["name"].startswith(r["name"] + ",")), None)
+        if base is None:
+            continue
+        ratio = (
+            base["scenarios"][s]["ratio_to_vllm_plain"]
+            / twin["scenarios"][s]["ratio_to_vllm_plain"]
+        )
+        out[base["name"]] = ratio
+        print(f"    {base['name']}: {ratio:.2f}x its twin with draft tree attention")
+    return out
+
+
+def _summarize(results: list[dict]) -> dict:
+    """Per scenario: the best tree and the best vLLM method against vLLM plain, each tree
+    against vLLM's chain of the same budget and against its draft-tree-attention twin."""
     summary = {}
     trees = [r for r in results if r["name"].startswith("tree") and not r["draft_attention"]]
     twins = [r for r in results if r["draft_attention"]]
@@ -404,34 +465,24 @@ def main() -> None:
             f"{s}: best tree {best['name']} {summary[s]['best_tree_ratio']:.2f}x vLLM plain; "
             f"best vLLM method {builtin['name']} {summary[s]['best_builtin_ratio']:.2f}x"
         )
-        matched = summary[s]["tree_vs_same_budget_chain"] = {}
-        for t in trees:  # vLLM's chain with the same draft and node budget
-            same = [b for b in builtins if (b["method"], b["budget"]) == (t["method"], t["budget"])]
-            if same:
-                # both measured beside vLLM plain: the ratio of their ratios
-                ratio = (
-                    t["scenarios"][s]["ratio_to_vllm_plain"]
-                    / same[0]["scenarios"][s]["ratio_to_vllm_plain"]
-                )
-                matched[t["name"]] = {"chain": same[0]["name"], "ratio": ratio}
-                print(f"    {t['name']} vs {same[0]['name']}: {ratio:.2f}x")
-        for twin in twins:  # causal draft levels through vLLM's kernel vs tree attention
-            base = next((r for r in trees if twin["name"].startswith(r["name"] + ",")), None)
-            if base is None:
-                continue
-            ratio = (
-                base["scenarios"][s]["ratio_to_vllm_plain"]
-                / twin["scenarios"][s]["ratio_to_vllm_plain"]
-            )
-            summary[s].setdefault("causal_draft_levels_vs_tree_attention", {})[base["name"]] = ratio
-            print(f"    {base['name']}: {ratio:.2f}x its twin with draft tree attention")
+        summary[s]["tree_vs_same_budget_chain"] = _same_budget_chains(s, trees, builtins)
+        causal = _causal_vs_tree_attention(s, trees, twins)
+        if causal:
+            summary[s]["causal_draft_levels_vs_tree_attention"] = causal
+    return summary
+
+
+def _write(args: argparse.Namespace, plan: _Plan, results: list[dict], summary: dict) -> None:
+    """Write the JSON report (``--out``; a folder: ``vllm_e2e.json`` in it) and the plot."""
+    from bench.io import atomic_write_json
+
     out = Path(args.out)
     if out.is_dir() or args.out.endswith("/"):  # a folder: the default file name in it
         out = out / "vllm_e2e.json"
     doc = {
         "model": args.model,
-        "enforce_eager": llm_kw["enforce_eager"],
-        "prompts": n,
+        "enforce_eager": plan.llm_kw["enforce_eager"],
+        "prompts": plan.n,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "results": results,
@@ -440,6 +491,15 @@ def main() -> None:
     atomic_write_json(out, doc)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def main() -> None:
+    """Plan the grid, time every engine beside vLLM plain, summarize and write."""
+    args = _parse_args()
+    plan = _plan(args)
+    results = _run_grid(plan, args)
+    summary = _summarize(results)
+    _write(args, plan, results, summary)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
 defaults), builds a causal mask the engine never uses (its attention takes
 ``tree_ctx``), and reaches every submodule through ``nn.Module.__call__`` (hook
 dispatch, about 80 calls per forward for a 6-layer model). On a small model on the
-CPU that machinery is a large share of a decode step: a 6-layer, 256-wide Llama's
-1-token forward measured 5.7 ms through ``LlamaModel.forward`` and 4.7 ms through
-this module (one core).
+CPU that machinery is a large share of a decode step: a small Llama's 1-token
+forward is measurably faster through this module than through
+``LlamaModel.forward`` (figures: docs/design_figures.md, "Lean forward").
 
 ``llama_forward`` runs the *same* modules' own ``forward`` methods in HF's order
 (embedding, rotary embedding, per layer: input norm, q/k/v projections, HF's

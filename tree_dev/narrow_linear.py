@@ -2,18 +2,18 @@
 
 A decode step feeds every linear layer one row, a small tree's verify forward or a
 draft level a few (one per node). PyTorch's CPU ``linear`` (MKL's SGEMM, on this
-project's AMD EPYC machines its AVX2 code) costs about twice as much at 2 rows as
-at 1 and 3x at 3-5: measured here, ``[M, 256] @ [256, 4096]^T`` 164 us at M=1,
-307 at M=2, 444 at M=3; the whole 6-layer target forward 4.9 ms at 1 row, 7.3 at 2,
-10 at 5, 2.5 / 4.1 / 6.2 ms of it in ``aten::mm``. So a tree step costs far more
-than a plain one, and under sampling, where trees accept ~1.5 tokens per step, no
-tree paid for itself.
+project's AMD EPYC machines its AVX2 code) costs much more at 2-5 rows than at 1,
+in a single layer and in a whole small target forward (most of which is
+``aten::mm``). So a tree step costs far more than a plain one, and under sampling,
+where trees accept few tokens per step, no tree paid for itself (figures:
+docs/design_figures.md, "Narrow linear").
 
 ``narrow_gemm`` (``tree_dev/csrc/narrow_gemm.c``, AVX2 + FMA, built on first use
 with the system C compiler) packs each weight once into panels of 16 output columns
 and streams a panel once per block of up to 4 rows with the rows' sums in registers:
-at 1-4 rows it costs about what 1 row does (same shape: 81 us at M=1, 100-167 at
-2-4, 188-194 at 5-6, 289 at 9; MKL 144, 311-462, 459-464, 617, measured side by side).
+at 1-4 rows it costs about what 1 row does, and it stays well below MKL up to a few
+blocks of rows (measured side by side; figures: docs/design_figures.md, "Narrow
+linear").
 
 Same fp32 arithmetic (no reduced-precision shortcut): each output is one sequential
 FMA sum over the input features, so only the rounding differs from MKL, and a row's
@@ -53,7 +53,9 @@ __all__ = [
     "use_narrow_linears",
 ]
 
-MAX_ROWS = 24  # from ~32 rows the general GEMM's blocking wins on some shapes (measured here)
+# more rows: the general GEMM's blocking wins on some shapes (docs/design_figures.md,
+# "Narrow linear")
+MAX_ROWS = 24
 PANEL = 16  # output columns per packed panel (two AVX2 vectors), as in the C source
 _SOURCE = Path(__file__).with_name("csrc") / "narrow_gemm.c"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")

@@ -1,10 +1,10 @@
 """fp32 ``nn.Linear`` layers of a CPU model through oneDNN instead of MKL.
 
 PyTorch's CPU ``linear`` calls MKL's SGEMM, which on AMD CPUs runs its AVX2 code
-even where the CPU has AVX-512: about 107 GFLOP/s on one core of such a machine,
-where oneDNN's fp32 GEMM (AVX-512) runs 226. On a CPU without AVX-512 oneDNN has no
-such edge and was measured slower (0.66-0.95x MKL for this project's layer shapes at
-5-64 rows on an AVX2-only EPYC), so ``onednn_faster()`` says whether to switch.
+even where the CPU has AVX-512: there oneDNN's fp32 GEMM (AVX-512) runs about twice
+as fast. On a CPU without AVX-512 oneDNN has no such edge and was measured slower
+than MKL for this project's layer shapes on an AVX2-only EPYC, so ``onednn_faster()``
+says whether to switch (figures: docs/design_figures.md, "oneDNN linear").
 A tree verify forward feeds every linear layer ``N`` rows (one per tree node) and
 is GEMM bound, so it gains on AVX-512; a single-token decode step (one row) is
 memory bound and MKL is as fast there, so layers called with fewer than
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 __all__ = ["onednn_available", "onednn_faster", "restore_linears", "use_onednn_linears"]
 
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-MIN_ROWS = 4  # fewer rows: memory bound, MKL is as fast (measured here)
+MIN_ROWS = 4  # fewer rows: memory bound, MKL is as fast (docs/design_figures.md, "oneDNN linear")
 
 
 def onednn_available() -> bool:

@@ -23,8 +23,9 @@ gathered once into a reused workspace.
 The row-tile route: bf16 and fp32 on the CPU take it (unless a tree is so big that
 one query head's scores over one key piece exceed ``_TILE_BYTES_MAX``), as the fused CPU
 kernel leaves speed unused: its GEMMs are MKL's, which on AMD CPUs run AVX2 code
-(about 107 GFLOP/s fp32 on one core here, where oneDNN's fp32 GEMM runs 226), and its
-bf16 GEMMs run at that fp32 speed without AMX (a bf16 ``matmul`` is about 4x faster).
+(oneDNN's fp32 GEMM runs about twice as fast on one core here), and its bf16 GEMMs run
+at that fp32 speed without AMX (a bf16 ``matmul`` is several times faster; figures:
+docs/design_figures.md, "oneDNN linear").
 So each request and KV head is done in row tiles of at most ``_TILE_BYTES`` of fp32
 scores: ``Q K^T`` in fp32 through oneDNN (exactly what the fused kernel computes) over
 a piece of at most ``_ROW_TILE_KEYS`` prefix keys, the tree's keys appended to the
@@ -75,9 +76,10 @@ _ONEDNN_LINEAR = (
     else None
 )
 _PV_ONEDNN_ROWS = 64  # fp32 query rows per KV head from which P V goes through oneDNN
-# A CPU without AVX-512 has no fast bf16 GEMM: a bf16 ``bmm`` measured about 54x slower
-# than fp32 on an AVX2-only AMD EPYC (one thread, [8, 64, 64] @ [8, 64, 1024]), where an
-# upcast costs about what the fp32 GEMM does. There the tiles' ``P V`` runs in fp32.
+# A CPU without AVX-512 has no fast bf16 GEMM: a bf16 ``bmm`` measured tens of times
+# slower than fp32 on an AVX2-only AMD EPYC, where an upcast costs about what the fp32
+# GEMM does (figures: docs/design_figures.md, "bf16 P V"). There the tiles' ``P V``
+# runs in fp32.
 _LOWP_PV_FAST = torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
 _CONSTS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -340,10 +342,10 @@ def _gemm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T -> [M, N]``, fp32, both contiguous.
 
     On the CPU through oneDNN's fp32 GEMM when torch has it: about 2x the MKL
-    ``matmul`` on AMD CPUs, where MKL takes its AVX2 code (226 vs 107 GFLOP/s on one
+    ``matmul`` on AMD CPUs, where MKL takes its AVX2 code (about half oneDNN's speed on one
     core here), and as fast elsewhere. Same fp32 arithmetic, no lower precision.
     """
-    # (oneDNN is 1000x slower on strided operands: contiguous ones only)
+    # (oneDNN is orders of magnitude slower on strided operands: contiguous ones only)
     cpu = a.device.type == "cpu"
     if _ONEDNN_LINEAR is not None and cpu and a.is_contiguous() and b.is_contiguous():
         return _ONEDNN_LINEAR(a, b, None, "none", [], "")

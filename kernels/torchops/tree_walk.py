@@ -154,14 +154,15 @@ def _row_argmax(rows: torch.Tensor) -> torch.Tensor:
 
 
 # Greedy on the CPU: up to this many logits, one argmax over every node and the
-# vectorised walk (fewer ops: 9 nodes x 4096 vocabulary, 0.38 vs 0.81 ms here); above it,
-# level by level, where the argmax over every node would dominate.
+# vectorised walk (fewer ops, so faster on small trees); above it, level by level, where
+# the argmax over every node would dominate (figures: docs/design_figures.md, "Greedy walk").
 _ARGMAX_ALL_MAX = 1 << 19
 
 
 # ... and up to this many nodes in all, the walk itself in Python over the argmax list
-# (one host read; 0.05 vs 0.7 ms for a 9-node tree here, where each small tensor op of
-# the vectorised walk costs 10-20 us). Other devices keep the vectorised, sync-free form.
+# (one host read, many times faster on a small tree, where each of the vectorised walk's
+# many small tensor ops has a fixed cost; figures: docs/design_figures.md, "Greedy walk").
+# Other devices keep the vectorised, sync-free form.
 _PY_WALK_MAX_NODES = 256
 
 

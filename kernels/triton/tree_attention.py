@@ -281,8 +281,9 @@ def _default_splits(q: torch.Tensor, programs: int, capacity: int, block_n: int)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if programs >= sms:
         return 1
-    # One wave: the largest power of two of splits whose programs all run at once
-    # (measured on an H200 at N=64, 8K prefix: 8 splits of 16 programs beat 17 by 1.4x).
+    # One wave: the largest power of two of splits whose programs all run at once (on
+    # an H200 that beat more splits spread over more than one wave; figures:
+    # docs/design_figures.md, "Prefix splits").
     fit = 1 << ((sms // programs).bit_length() - 1)
     return max(1, min(fit, capacity // (4 * block_n), 64))
 

@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -355,6 +356,179 @@ def n_params(model: torch.nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def _log_run(
+    log: Logger,
+    recipe: Recipe,
+    *,
+    command: str,
+    seed: int,
+    minutes: float,
+    stages: tuple[str, ...],
+    steps: dict[str, int | None],
+) -> None:
+    """The run's header lines: command, versions, settings and recipe."""
+    import platform
+
+    import transformers
+
+    log(f"=== train {time.strftime('%Y-%m-%d %H:%M:%S %Z')} command: {command}")
+    log(
+        f"python {platform.python_version()} torch {torch.__version__} "
+        f"transformers {transformers.__version__} threads {torch.get_num_threads()} "
+        f"seed {seed} minutes {minutes} stages {stages} steps {steps}"
+    )
+    log(f"recipe {asdict(recipe)}")
+
+
+def _read_corpus(recipe: Recipe, log: Logger) -> tuple[list[str], list[str]]:
+    """Train and validation texts of the corpus (``max_train_files``: the first few)."""
+    train_files, val_files = data.corpus_files()
+    if recipe.max_train_files is not None:
+        train_files = train_files[: recipe.max_train_files]
+        val_files = val_files[: max(2, recipe.max_train_files // 10)]
+    train_texts, val_texts = data.read_texts(train_files), data.read_texts(val_files)
+    log(
+        f"corpus {data.stdlib_root()}: train {len(train_texts)} files "
+        f"{sum(len(t.encode()) for t in train_texts)} bytes, val {len(val_texts)} files "
+        f"{sum(len(t.encode()) for t in val_texts)} bytes"
+    )
+    return train_texts, val_texts
+
+
+@dataclass
+class _Data:
+    """The tokenizer and the tokens every stage trains and evaluates on."""
+
+    tok: Any
+    nbytes: torch.Tensor  # bytes per token id
+    train_stream: torch.Tensor
+    val_windows: torch.Tensor
+
+
+def _prepare_data(
+    out: Path, recipe: Recipe, stages: tuple[str, ...], log: Logger, wall0: float
+) -> _Data:
+    """Read the corpus, train the tokenizer (when asked or absent) and tokenize."""
+    train_texts, val_texts = _read_corpus(recipe, log)
+    tok_dir = out / "tokenizer"
+    if "tokenizer" in stages or not (tok_dir / "tokenizer.json").is_file():
+        tok = data.train_tokenizer(train_texts, recipe.vocab_size)
+        save_dir_atomic(out, "tokenizer", tok.save_pretrained)
+    tok = data.load_tokenizer(tok_dir)
+    nbytes = data.token_byte_lengths(tok)
+    train_stream = data.encode_stream(tok, train_texts)
+    val_stream = data.encode_stream(tok, val_texts)
+    val_windows = data.eval_windows(val_stream, recipe.seq_len, recipe.eval_windows)
+    log(
+        f"tokens: train {train_stream.numel()}, val {val_stream.numel()}; "
+        f"bytes/token {nbytes[val_stream].sum().item() / val_stream.numel():.3f}; "
+        f"prep {time.perf_counter() - wall0:.0f}s"
+    )
+    return _Data(tok, nbytes, train_stream, val_windows)
+
+
+def _stage_seconds(
+    recipe: Recipe, stages: tuple[str, ...], minutes: float, wall0: float
+) -> dict[str, float]:
+    """Each stage's share of the time left (at least 30 s in all) after data preparation."""
+    budget = max(30.0, minutes * 60 - (time.perf_counter() - wall0))
+    shares = dict(zip(("target", "draft", "eagle"), recipe.share))
+    run_share = sum(shares[s] for s in stages if s in shares) or 1.0
+    return {name: budget * share / run_share for name, share in shares.items()}
+
+
+def _train_lm_stage(
+    name: str,
+    d: _Data,
+    recipe: Recipe,
+    seed: int,
+    max_steps: int | None,
+    seconds: float,
+    log: Logger,
+    out: Path,
+    save_dtype: torch.dtype,
+) -> tuple[LlamaForCausalLM, dict]:
+    """Train and save the ``target`` or ``draft`` LM; returns it and its history."""
+    spec = recipe.target if name == "target" else recipe.draft
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(spec.config(len(d.tok), recipe.seq_len, d.tok.eos_token_id))
+    log(f"[{name}] {n_params(model) / 1e6:.3f}M parameters {asdict(spec)}")
+    hist = train_lm(
+        model,
+        d.train_stream,
+        d.val_windows,
+        d.nbytes,
+        recipe,
+        recipe.lr if name == "target" else recipe.draft_lr,
+        seed,
+        max_steps,
+        seconds,
+        log,
+        name,
+    )
+    hist["params"] = n_params(model)
+    save_lm(model, d.tok, out, name, save_dtype)
+    return model, hist
+
+
+def _train_eagle_stage(
+    target: LlamaForCausalLM | None,
+    d: _Data,
+    recipe: Recipe,
+    seed: int,
+    max_steps: int | None,
+    seconds: float,
+    log: Logger,
+    out: Path,
+    save_dtype: torch.dtype,
+    resume: bool,
+) -> dict:
+    """Train and save the EAGLE head on ``target`` (None: the one stored in ``out``);
+    ``resume``: continue from ``out/eagle`` when it exists. Returns its history."""
+    if target is None:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(
+            str(out / "target"), dtype=torch.float32, local_files_only=True
+        )
+    if resume and (out / "eagle" / "model.safetensors").is_file():
+        head = EagleHead.from_pretrained(out / "eagle", target=target).train()
+        log(f"[eagle] resuming from {out / 'eagle'}")
+    else:
+        head = EagleHead.from_target(target, seed=seed)
+    head.target_path = "../target"
+    head.float()
+    own = sum(v.numel() for v in head.trainable_state_dict().values())
+    log(f"[eagle] {own / 1e6:.3f}M own parameters (embedding and lm_head: the target's)")
+    hist = train_eagle(
+        head, target, d.train_stream, d.val_windows, recipe, seed, max_steps, seconds, log
+    )
+    hist["params"] = sum(v.numel() for v in head.trainable_state_dict().values())
+    save_dir_atomic(out, "eagle", lambda p: head.save_pretrained(p, dtype=save_dtype))
+    return hist
+
+
+def _write_summary(
+    out: Path, stages: tuple[str, ...], summary: dict, log: Logger, wall0: float
+) -> None:
+    """Log the run's end and write its summary (all three stages: ``train_summary.json``)."""
+    import json
+
+    from .eagle import _atomic_write
+
+    summary["wall_seconds"] = time.perf_counter() - wall0
+    log(
+        f"=== done in {summary['wall_seconds']:.0f}s; steps "
+        + ", ".join(f"{k}={v['steps']}" for k, v in summary["stages"].items())
+    )
+    name = (
+        "train_summary.json"
+        if set(stages) >= {"target", "draft", "eagle"}
+        else (f"train_summary_{'_'.join(stages)}.json")
+    )
+    _atomic_write(out / name, json.dumps(summary, indent=1).encode())
+
+
 def run_train(
     out: str | os.PathLike,
     minutes: float = 10.0,
@@ -375,13 +549,6 @@ def run_train(
     round trip through ``save_dtype``, i.e. on exactly the stored target.  ``resume``:
     the EAGLE stage continues from ``out/eagle`` when it exists (new lr schedule).
     """
-    import json
-    import platform
-
-    import transformers
-
-    from .eagle import _atomic_write
-
     recipe = recipe or Recipe()
     steps = steps or {}
     out = Path(out)
@@ -389,107 +556,28 @@ def run_train(
     log = Logger(out / "train_log.txt")
     torch.set_num_threads(threads)
     wall0 = time.perf_counter()
-    log(f"=== train {time.strftime('%Y-%m-%d %H:%M:%S %Z')} command: {command}")
-    log(
-        f"python {platform.python_version()} torch {torch.__version__} "
-        f"transformers {transformers.__version__} threads {torch.get_num_threads()} "
-        f"seed {seed} minutes {minutes} stages {stages} steps {steps}"
-    )
-    log(f"recipe {asdict(recipe)}")
-    train_files, val_files = data.corpus_files()
-    if recipe.max_train_files is not None:
-        train_files = train_files[: recipe.max_train_files]
-        val_files = val_files[: max(2, recipe.max_train_files // 10)]
-    train_texts, val_texts = data.read_texts(train_files), data.read_texts(val_files)
-    log(
-        f"corpus {data.stdlib_root()}: train {len(train_texts)} files "
-        f"{sum(len(t.encode()) for t in train_texts)} bytes, val {len(val_texts)} files "
-        f"{sum(len(t.encode()) for t in val_texts)} bytes"
-    )
-    tok_dir = out / "tokenizer"
-    if "tokenizer" in stages or not (tok_dir / "tokenizer.json").is_file():
-        tok = data.train_tokenizer(train_texts, recipe.vocab_size)
-        save_dir_atomic(out, "tokenizer", tok.save_pretrained)
-    tok = data.load_tokenizer(tok_dir)
-    nbytes = data.token_byte_lengths(tok)
-    train_stream = data.encode_stream(tok, train_texts)
-    val_stream = data.encode_stream(tok, val_texts)
-    val_windows = data.eval_windows(val_stream, recipe.seq_len, recipe.eval_windows)
-    log(
-        f"tokens: train {train_stream.numel()}, val {val_stream.numel()}; "
-        f"bytes/token {nbytes[val_stream].sum().item() / val_stream.numel():.3f}; "
-        f"prep {time.perf_counter() - wall0:.0f}s"
-    )
-    budget = max(30.0, minutes * 60 - (time.perf_counter() - wall0))
-    shares = dict(zip(("target", "draft", "eagle"), recipe.share))
-    run_share = sum(shares[s] for s in stages if s in shares) or 1.0
+    _log_run(log, recipe, command=command, seed=seed, minutes=minutes, stages=stages, steps=steps)
+    d = _prepare_data(out, recipe, stages, log, wall0)
+    seconds = _stage_seconds(recipe, stages, minutes, wall0)
     summary: dict = {"seed": seed, "recipe": asdict(recipe), "command": command, "stages": {}}
-    eos = tok.eos_token_id
     models: dict[str, LlamaForCausalLM] = {}
     for name in ("target", "draft"):
-        if name not in stages:
-            continue
-        spec = recipe.target if name == "target" else recipe.draft
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(spec.config(len(tok), recipe.seq_len, eos))
-        log(f"[{name}] {n_params(model) / 1e6:.3f}M parameters {asdict(spec)}")
-        hist = train_lm(
-            model,
-            train_stream,
-            val_windows,
-            nbytes,
-            recipe,
-            recipe.lr if name == "target" else recipe.draft_lr,
-            seed,
-            steps.get(name),
-            budget * shares[name] / run_share,
-            log,
-            name,
-        )
-        hist["params"] = n_params(model)
-        save_lm(model, tok, out, name, save_dtype)
-        summary["stages"][name] = hist
-        models[name] = model
-    if "eagle" in stages:
-        target = models.get("target")
-        if target is None:
-            from transformers import AutoModelForCausalLM
-
-            target = AutoModelForCausalLM.from_pretrained(
-                str(out / "target"), dtype=torch.float32, local_files_only=True
+        if name in stages:
+            models[name], summary["stages"][name] = _train_lm_stage(
+                name, d, recipe, seed, steps.get(name), seconds[name], log, out, save_dtype
             )
-        if resume and (out / "eagle" / "model.safetensors").is_file():
-            head = EagleHead.from_pretrained(out / "eagle", target=target).train()
-            log(f"[eagle] resuming from {out / 'eagle'}")
-        else:
-            head = EagleHead.from_target(target, seed=seed)
-        head.target_path = "../target"
-        head.float()
-        own = sum(v.numel() for v in head.trainable_state_dict().values())
-        log(f"[eagle] {own / 1e6:.3f}M own parameters (embedding and lm_head: the target's)")
-        hist = train_eagle(
-            head,
-            target,
-            train_stream,
-            val_windows,
+    if "eagle" in stages:
+        summary["stages"]["eagle"] = _train_eagle_stage(
+            models.get("target"),
+            d,
             recipe,
             seed,
             steps.get("eagle"),
-            budget * shares["eagle"] / run_share,
+            seconds["eagle"],
             log,
+            out,
+            save_dtype,
+            resume,
         )
-        hist["params"] = sum(v.numel() for v in head.trainable_state_dict().values())
-        save_dir_atomic(out, "eagle", lambda p: head.save_pretrained(p, dtype=save_dtype))
-        summary["stages"]["eagle"] = hist
-    summary["wall_seconds"] = time.perf_counter() - wall0
-    log(
-        f"=== done in {summary['wall_seconds']:.0f}s; steps "
-        + ", ".join(f"{k}={v['steps']}" for k, v in summary["stages"].items())
-    )
-    name = (
-        "train_summary.json"
-        if set(stages) >= {"target", "draft", "eagle"}
-        else (f"train_summary_{'_'.join(stages)}.json")
-    )
-    _atomic_write(out / name, json.dumps(summary, indent=1).encode())
+    _write_summary(out, stages, summary, log, wall0)
     return summary
