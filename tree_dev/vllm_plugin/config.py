@@ -17,7 +17,7 @@ Keys of the ``treespec`` dict read here (other keys belong to the accuracy tooli
   level through vLLM's causal kernel: wrong drafts, still lossless output). For tests that
   prove the checks can fail; never for serving.
 - ``record_trees``: keep the first N proposed trees in the worker (for tests comparing the
-  two engines' trees; ``runner.worker_recorded_trees``).
+  two engines' trees; ``worker_methods.worker_recorded_trees``).
 - ``draft_sampling``: ``true`` draws a sampled request's (temperature > 0) draft children
   without replacement from the draft's distribution at the request's temperature (Gumbel
   top-k) and verifies them against those distributions (``tree_walk`` mode

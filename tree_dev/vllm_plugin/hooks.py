@@ -161,12 +161,12 @@ def _add_worker_methods() -> None:
     (tests)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from tree_dev.vllm_plugin import runner
+    from tree_dev.vllm_plugin import worker_methods as w
 
-    WorkerBase.treespec_tree_stats = runner.worker_tree_stats
-    WorkerBase.treespec_recorded_trees = runner.worker_recorded_trees
-    WorkerBase.treespec_set_debug = runner.worker_set_debug
-    WorkerBase.treespec_set_tree = runner.worker_set_tree
+    WorkerBase.treespec_tree_stats = w.worker_tree_stats
+    WorkerBase.treespec_recorded_trees = w.worker_recorded_trees
+    WorkerBase.treespec_set_debug = w.worker_set_debug
+    WorkerBase.treespec_set_tree = w.worker_set_tree
 
 
 def _config_post_init(orig):

@@ -1,0 +1,104 @@
+"""The tree plugin's worker methods (``llm.collective_rpc("treespec_...")``) and its
+developer profiler: a window onto a running engine's ``TreeRunner`` for tests and
+benchmarks, installed on vLLM's ``WorkerBase`` by ``hooks``."""
+
+from __future__ import annotations
+
+from tree_dev.proposer import NgramHistory
+
+
+def worker_tree_stats(worker) -> dict:
+    """Per-depth acceptance of a worker's runner: ``llm.collective_rpc("treespec_tree_stats")``."""
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    return {"tree": st.cfg.spec, **st.stats.as_dict()} if st is not None else {}
+
+
+def worker_recorded_trees(worker) -> list[dict]:
+    """The first ``record_trees`` proposals: request id, context, parents, tokens."""
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    return list(st.recorded) if st is not None else []
+
+
+def worker_set_debug(worker, disable: str | None, record_trees: int = 0) -> None:
+    """Tests' switch on a running engine: ``llm.collective_rpc("treespec_set_debug",
+    args=(part, n))`` turns off ``part`` of tree verification (one of
+    ``config.DEBUG_SWITCHES``, or None to turn it back on) from the next step, and restarts
+    recording the next ``n`` proposed trees. The proofs that can fail run on one engine
+    this way; use it with prefix caching off (a broken step's KV must not be reused)."""
+    import dataclasses
+
+    from tree_dev.vllm_plugin.config import DEBUG_SWITCHES
+
+    if disable is not None and disable not in DEBUG_SWITCHES:
+        raise ValueError(
+            f"treespec_set_debug: disable = {disable!r}; expected one of {DEBUG_SWITCHES}"
+        )
+    if not isinstance(record_trees, int) or record_trees < 0:
+        raise ValueError(
+            f"treespec_set_debug: record_trees = {record_trees!r}; expected an int >= 0"
+        )
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    if st is None:
+        raise ValueError("treespec_set_debug: this engine has no treespec tree (no 'tree' key)")
+    st.cfg = dataclasses.replace(st.cfg, debug_disable=disable, record_trees=record_trees)
+    st.recorded.clear()
+
+
+def worker_set_tree(worker, spec: str) -> None:
+    """Tests' switch of the tree kind on a running engine: ``llm.collective_rpc(
+    "treespec_set_tree", args=(spec,))`` proposes ``spec`` from the next step on. The new
+    tree must pass the start-up checks (``config.parse``) against the engine's speculative
+    config (so its budget is ``num_speculative_tokens``) and forward no more draft nodes
+    than the KV slots vLLM reserves for the start-up tree (``config.lookahead_slots``).
+    One compiled engine then proves several tree kinds."""
+    import dataclasses
+
+    from tree_dev.vllm_plugin import config
+
+    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    if st is None:
+        raise ValueError("treespec_set_tree: this engine has no treespec tree (no 'tree' key)")
+    cur = st.cfg
+    section = {"tree": spec, "kernel_backend": cur.kernel_backend}
+    section["draft_sampling"] = cur.draft_sampling
+    new = config.parse(section, st.runner.speculative_config)
+    reserved, needed = config.draft_slots(st.start_policy), config.draft_slots(new.policy)
+    if needed > reserved:
+        raise ValueError(
+            f"treespec_set_tree: {spec!r} forwards {needed} draft nodes past the root; the "
+            f"engine reserved KV slots for {reserved} (its start-up tree {st.start_policy.spec!r})"
+        )
+    st.cfg = dataclasses.replace(cur, spec=new.spec, policy=new.policy)
+    st.history = NgramHistory(getattr(new.policy, "history", 0))
+    st.proposals.clear()
+
+
+class Profiler:
+    """Developer switch: ``TREESPEC_PROFILE=FILE`` profiles the worker (cProfile) after
+    ``TREESPEC_PROFILE_SKIP`` proposing steps (default 0: from start-up on) and rewrites
+    FILE every 50 steps (worker processes are killed, not exited, at shutdown)."""
+
+    def __init__(self, path: str, skip: int = 0):
+        import cProfile
+
+        self.path, self.steps, self.skip = path, 0, skip
+        self.prof = cProfile.Profile()
+        if skip == 0:
+            self.prof.enable()
+
+    @classmethod
+    def from_env(cls) -> Profiler | None:
+        import os
+
+        path = os.environ.get("TREESPEC_PROFILE")
+        skip = int(os.environ.get("TREESPEC_PROFILE_SKIP", "0"))
+        return cls(path, skip) if path else None
+
+    def tick(self) -> None:
+        self.steps += 1
+        if self.steps == self.skip:
+            self.prof.enable()
+        elif self.steps > self.skip and (self.steps - self.skip) % 50 == 0:
+            self.prof.disable()
+            self.prof.dump_stats(self.path)
+            self.prof.enable()
