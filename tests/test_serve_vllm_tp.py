@@ -9,10 +9,9 @@ project's engine decoding the target plainly, the reference of test_serve_vllm.p
 development endpoints (``VLLM_SERVER_DEV_MODE=1``) let the test ask both ranks for the
 plugin's statistics (``/collective_rpc``): two ranks, the same trees, accepted drafts.
 
-Marked slow (127 s here, nearly all the TP=2 server's start): the default run covers its
-parts, trees under TP=2 (test_vllm_tp.py), serving trees (test_serve_vllm.py) and the
-``--tensor-parallel-size`` flag and core binding reaching vLLM (test_serve.py). Run it with
-``pytest -m slow tests/test_serve_vllm_tp.py``.
+In ``make test-all`` only (``full``: nearly all its time is the TP=2 server's start); the
+fast tier covers its parts: the ``--tensor-parallel-size`` flag and core binding reaching
+vLLM (test_serve.py).
 """
 
 from __future__ import annotations

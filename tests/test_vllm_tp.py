@@ -2,13 +2,17 @@
 
 The target is sharded over two ranks (one CPU core each, ``VLLM_CPU_OMP_THREADS_BIND``).
 Every rank runs the plugin's verify, walk and compaction on its own KV shard; greedy
-outputs must be token for token vLLM's plain TP=2 output and vLLM's plain TP=1 output, for
-the draft-LM top-K tree and the n-gram trie, on 50 held-out prompts submitted together
-(8 concurrent requests of mixed lengths). The ranks' statistics must agree (same trees,
+outputs must be token for token vLLM's plain TP=1 output, for the draft-LM top-K tree and
+the n-gram trie, on 50 held-out prompts submitted together (8 concurrent requests of
+mixed lengths). That is also vLLM's plain TP=2 output here (fp32: the all-reduce sums two
+halves where TP=1 sums one whole, and these models' greedy tokens do not move: a TP=2
+plain engine gave the TP=1 output on these 50 prompts in every run of this module's
+former premise test, through 2026-12), so no TP=2 plain engine is started: a failure here
+names TP=1 plain as the reference. The ranks' statistics must agree (same trees,
 same accepted paths) and show accepted drafts (tau > 1).
 
-Engines started: TP=1 plain (shared through ``vllm_engines.plain_outputs``), TP=2 plain,
-TP=2 draft-LM tree, TP=2 n-gram trie; each one is shut down before the next starts.
+Engines started: TP=1 plain (shared through ``vllm_engines.plain_outputs``), TP=2 draft-LM
+tree, TP=2 n-gram trie; each one is shut down before the next starts.
 """
 
 from __future__ import annotations
@@ -57,15 +61,6 @@ def tp1_plain() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tp2_plain() -> list[list[int]]:
-    llm = _tp_engine()
-    try:
-        return generate(llm, PROMPTS, greedy_params(len(PROMPTS)))
-    finally:
-        shutdown(llm)
-
-
-@pytest.fixture(scope="module")
 def tp2_trees() -> dict[str, tuple[list[list[int]], list[dict]]]:
     """Per tree kind: the TP=2 outputs and every rank's ``treespec_tree_stats``."""
     out = {}
@@ -84,15 +79,9 @@ def _diverged(a: list[list[int]], b: list[list[int]]) -> list[int]:
     return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
 
 
-def test_tp2_plain_equals_tp1_plain(tp1_plain, tp2_plain):
-    """The premise: vLLM's own TP=2 greedy output is its TP=1 output here (fp32)."""
-    assert not _diverged(tp2_plain, tp1_plain)
-
-
 @pytest.mark.parametrize("name", sorted(TREES))
-def test_tree_under_tp2_is_lossless(name, tp2_trees, tp2_plain, tp1_plain):
+def test_tree_under_tp2_is_lossless(name, tp2_trees, tp1_plain):
     outs, _ = tp2_trees[name]
-    assert not (d := _diverged(outs, tp2_plain)), f"{name}: prompts {d} differ from TP=2 plain"
     assert not (d := _diverged(outs, tp1_plain)), f"{name}: prompts {d} differ from TP=1 plain"
 
 

@@ -151,11 +151,17 @@ def STANDARD() -> list[tuple[list[int], object]]:  # noqa: N802
     return reqs
 
 
+BATCH1 = 16  # prompts run one at a time by assert_lossless(batch1=True)
+
+
 def assert_lossless(llm, prompts: list[list[int]], reference: list[list[int]], batch1: bool):
-    """Greedy outputs equal ``reference`` token for token, one request at a time or all
-    submitted together (the engine's ``max_num_seqs`` bounds the concurrency)."""
+    """Greedy outputs equal ``reference`` token for token: the first ``BATCH1`` prompts
+    one request at a time (``batch1``), or all of them submitted together (the engine's
+    ``max_num_seqs`` bounds the concurrency). Every module runs both, so every prompt is
+    proven concurrently and the first 16 alone too."""
     params = greedy_params(len(prompts))
     if batch1:
+        prompts, reference = prompts[:BATCH1], reference[:BATCH1]
         outs = [generate(llm, [p], params[i])[0] for i, p in enumerate(prompts)]
     else:
         outs = generate(llm, prompts, params)
