@@ -74,8 +74,7 @@ from tree_dev.spec import (
     NgramPolicy,
     NoDraftPolicy,
     Policy,
-    StaticPolicy,
-    parse_tree_spec,
+    TreeSettings,
 )
 from tree_dev.step import DraftBatch, DraftRequest, Proposal, grow_trees, walk_trees
 from tree_dev.tree import TokenTree
@@ -151,15 +150,11 @@ class Engine:
         narrow_linear: bool | None = None,
         tree_kernel: bool = False,
     ):
-        self.policy: Policy = parse_tree_spec(tree)
+        settings = TreeSettings.parse(tree, draft_sampling)
+        self.policy: Policy = settings.policy
+        self.draft_sampling = settings.draft_sampling
         # finished requests' tokens, searched by an ngram:...,history=H trie
         self.ngram_history = NgramHistory(getattr(self.policy, "history", 0))
-        if draft_sampling and not isinstance(self.policy, StaticPolicy):
-            raise ValueError(
-                f"draft_sampling needs a static tree (chain/paths/medusa), not {tree!r}: pruning "
-                "a sampled dynamic tree would bias the accepted tokens"
-            )
-        self.draft_sampling = draft_sampling
         if isinstance(target, (str, Path)):
             target = load_causal_lm(target)
         if isinstance(draft, (str, Path)):

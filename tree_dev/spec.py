@@ -209,6 +209,40 @@ def _parse_hybrid(spec: str, arg: str) -> HybridPolicy:
     return HybridPolicy(topk, ngram, budget, spec, p)
 
 
+@dataclass(frozen=True)
+class TreeSettings:
+    """A tree and how its drafts are drawn: the one checked tree choice that every surface
+    builds (``Engine(tree=, draft_sampling=)``, the vLLM plugin's
+    ``additional_config["treespec"]``, ``serve.py``'s flags), so each rule lives once.
+
+    >>> TreeSettings.parse("chain:4", draft_sampling=True).policy.max_nodes
+    5
+    """
+
+    policy: Policy
+    draft_sampling: bool = False
+
+    @property
+    def spec(self) -> str:
+        return self.policy.spec
+
+    @classmethod
+    def parse(
+        cls, tree: str, draft_sampling: bool = False, *, sampling_field: str = "draft_sampling"
+    ) -> TreeSettings:
+        """Parse and check; a ``ValueError`` names the bad part (``sampling_field``: how the
+        caller's surface spells the draft-sampling switch, for its messages)."""
+        policy = parse_tree_spec(tree)
+        if not isinstance(draft_sampling, bool):
+            raise ValueError(f"{sampling_field} = {draft_sampling!r}; expected true or false")
+        if draft_sampling and not isinstance(policy, StaticPolicy):
+            raise ValueError(
+                f"{sampling_field} needs a static tree (chain/paths/medusa), not {tree!r}: "
+                "pruning a sampled dynamic tree would bias the accepted tokens"
+            )
+        return cls(policy, draft_sampling)
+
+
 def is_ngram(tree: Policy | str | None) -> bool:
     """Whether ``tree`` (a policy or a spec string) is the n-gram trie, which drafts from
     the text itself, with no model. A string that does not parse is not one (its parse

@@ -797,7 +797,7 @@ def _model_set_defaults(
 
 def _check_policy(parser: argparse.ArgumentParser, engine: str, pol: _Policy) -> None:
     """A tree the engine cannot run with its draft is an error naming the flag."""
-    from tree_dev.spec import StaticPolicy, parse_tree_spec
+    from tree_dev.spec import TreeSettings
 
     tree, drafter = pol.tree, pol.drafter
     if tree != "none" and drafter is None:
@@ -810,11 +810,13 @@ def _check_policy(parser: argparse.ArgumentParser, engine: str, pol: _Policy) ->
             f"--tree ngram:budget=N (not {tree!r})"
         )
     if pol.draft_sampling:
-        if not isinstance(parse_tree_spec(tree), StaticPolicy) or drafter is None:
+        try:
+            TreeSettings.parse(tree, True, sampling_field="argument --draft-sampling:")
+        except ValueError as e:
+            parser.error(str(e))
+        if drafter is None:
             parser.error(
-                f"argument --draft-sampling: needs a static tree (chain/paths/medusa) with a "
-                f"draft model or EAGLE head, not {tree!r}: pruning a sampled dynamic tree "
-                "would bias the output"
+                f"argument --draft-sampling: needs a draft model or EAGLE head for {tree!r}"
             )
         if drafter[0] == "ngram":
             parser.error("argument --draft-sampling: an n-gram draft has no distribution")

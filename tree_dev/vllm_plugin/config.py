@@ -40,6 +40,7 @@ from tree_dev.spec import (
     Policy,
     StaticPolicy,
     TopKPolicy,
+    TreeSettings,
     is_ngram,
     parse_tree_spec,
 )
@@ -123,7 +124,8 @@ def parse(
 ) -> TreeConfig:
     """Validate the ``treespec`` section against vLLM's speculative config."""
     spec = section.get("tree")
-    policy = _policy(spec)
+    settings = _settings(spec, section.get("draft_sampling", False))
+    policy, sampling = settings.policy, settings.draft_sampling
     method = _method_for(policy, spec, speculative_config)
     if is_ngram(policy) and not policy.range_given:
         policy = _with_lookup_range(policy, speculative_config)
@@ -135,31 +137,23 @@ def parse(
             f"{budget} draft nodes: they must be equal"
         )
     backend = _kernel_backend(section, policy, spec, device)
-    debug, record, sampling = _options(section, kv_cache_dtype)
-    if sampling and (method not in MODEL_METHODS or not isinstance(policy, StaticPolicy)):
-        raise ValueError(
-            f"additional_config['treespec']['draft_sampling'] needs a static tree "
-            f"(chain/paths/medusa) with method draft_model or eagle, not {spec!r} with "
-            f"{method!r}: pruning a sampled dynamic tree would bias the output"
-        )
+    debug, record = _options(section, kv_cache_dtype)
     return TreeConfig(spec, policy, method, budget, backend, debug, record, sampling)
 
 
-def _policy(spec: Any) -> Policy:
-    """The parsed ``tree`` key (a spec string other than ``none``)."""
+def _settings(spec: Any, sampling: Any) -> TreeSettings:
+    """The ``tree`` key (a spec string other than ``none``) with ``draft_sampling``."""
+    key = "additional_config['treespec']"
     if not isinstance(spec, str):
-        raise ValueError(
-            f"additional_config['treespec']['tree'] must be a tree spec string, got {spec!r}"
-        )
+        raise ValueError(f"{key}['tree'] must be a tree spec string, got {spec!r}")
     try:
-        policy = parse_tree_spec(spec)
+        parse_tree_spec(spec)
     except ValueError as e:
-        raise ValueError(f"additional_config['treespec']['tree']: {e}") from None
-    if isinstance(policy, NoDraftPolicy):
-        raise ValueError(
-            "additional_config['treespec']['tree'] is 'none': drop speculative_config instead"
-        )
-    return policy
+        raise ValueError(f"{key}['tree']: {e}") from None
+    settings = TreeSettings.parse(spec, sampling, sampling_field=f"{key}['draft_sampling']")
+    if isinstance(settings.policy, NoDraftPolicy):
+        raise ValueError(f"{key}['tree'] is 'none': drop speculative_config instead")
+    return settings
 
 
 def _method_for(policy: Policy, spec: str, speculative_config: Any) -> str:
@@ -206,8 +200,8 @@ def _kernel_backend(section: dict, policy: Policy, spec: str, device: str) -> st
     return backend
 
 
-def _options(section: dict, kv_cache_dtype: str) -> tuple[str | None, int, bool]:
-    """``debug_disable``, ``record_trees``, ``draft_sampling`` (and the KV dtype), checked."""
+def _options(section: dict, kv_cache_dtype: str) -> tuple[str | None, int]:
+    """``debug_disable`` and ``record_trees`` (and the KV dtype), checked."""
     debug = section.get("debug_disable")
     if debug is not None and debug not in DEBUG_SWITCHES:
         raise ValueError(
@@ -224,13 +218,7 @@ def _options(section: dict, kv_cache_dtype: str) -> tuple[str | None, int, bool]
         raise ValueError(
             f"additional_config['treespec']['record_trees'] = {record!r}; expected an int >= 0"
         )
-    sampling = section.get("draft_sampling", False)
-    if not isinstance(sampling, bool):
-        raise ValueError(
-            f"additional_config['treespec']['draft_sampling'] = {sampling!r}; expected true "
-            "or false"
-        )
-    return debug, record, sampling
+    return debug, record
 
 
 #: What vLLM 0.32 writes into ``prompt_lookup_min`` / ``prompt_lookup_max`` when the user
