@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     for k in range(a.rounds):
         for sha in (before, after):
             dest = out / sha / f"round{k}"
-            cmd = [sys.executable, *bench, "--out", str(dest)]
+            cmd = [sys.executable, *bench, "--out", f"{dest}/"]  # a folder, for every bench
             print(f"[ab] round {k + 1}/{a.rounds}, {sha}: {' '.join(bench)}", flush=True)
             subprocess.run(cmd, cwd=trees[sha], check=True)
             report = next(dest.glob("*.json"))
