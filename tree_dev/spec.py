@@ -228,16 +228,21 @@ class TreeSettings:
 
     @classmethod
     def parse(
-        cls, tree: str, draft_sampling: bool = False, *, sampling_field: str = "draft_sampling"
+        cls,
+        tree: str | Policy,
+        draft_sampling: bool = False,
+        *,
+        sampling_field: str = "draft_sampling",
     ) -> TreeSettings:
-        """Parse and check; a ``ValueError`` names the bad part (``sampling_field``: how the
-        caller's surface spells the draft-sampling switch, for its messages)."""
-        policy = parse_tree_spec(tree)
+        """Parse (a spec string; a policy is taken as parsed) and check; a ``ValueError``
+        names the bad part (``sampling_field``: how the caller's surface spells the
+        draft-sampling switch, for its messages)."""
+        policy = parse_tree_spec(tree) if isinstance(tree, str) else tree
         if not isinstance(draft_sampling, bool):
             raise ValueError(f"{sampling_field} = {draft_sampling!r}; expected true or false")
         if draft_sampling and not isinstance(policy, StaticPolicy):
             raise ValueError(
-                f"{sampling_field} needs a static tree (chain/paths/medusa), not {tree!r}: "
+                f"{sampling_field} needs a static tree (chain/paths/medusa), not {policy.spec!r}: "
                 "pruning a sampled dynamic tree would bias the accepted tokens"
             )
         return cls(policy, draft_sampling)

@@ -342,8 +342,9 @@ def walk_trees(
             continue
         walks[mode] = len(idx)
         lg = torch.cat([logits[i] for i in idx]).float()
-        kw = {} if mode == "greedy" else _sampling_inputs(idx, proposals, temperatures, top_ps)
+        kw = {}
         if mode != "greedy":
+            kw = _sampling_inputs(idx, temperatures, top_ps)
             kw["uniforms"] = torch.cat(
                 [torch.rand(proposals[i].tree.num_nodes, 2, generator=generators[i]) for i in idx]
             ).to(dev)
@@ -367,7 +368,7 @@ def walk_trees(
     return WalkResult(accepted, emitted, walks)
 
 
-def _sampling_inputs(idx, proposals, temperatures, top_ps) -> dict:
+def _sampling_inputs(idx, temperatures, top_ps) -> dict:
     """The sampled walks' temperature and top-p (a float when no request cuts a nucleus:
     the walk then skips its sort)."""
     top_p: float | torch.Tensor = 1.0

@@ -437,18 +437,23 @@ def _stage_seconds(
     return {name: budget * share / run_share for name, share in shares.items()}
 
 
+@dataclass
+class _Run:
+    """What every training stage of one ``run_train`` shares."""
+
+    d: _Data
+    recipe: Recipe
+    seed: int
+    log: Logger
+    out: Path
+    save_dtype: torch.dtype
+
+
 def _train_lm_stage(
-    name: str,
-    d: _Data,
-    recipe: Recipe,
-    seed: int,
-    max_steps: int | None,
-    seconds: float,
-    log: Logger,
-    out: Path,
-    save_dtype: torch.dtype,
+    run: _Run, name: str, max_steps: int | None, seconds: float
 ) -> tuple[LlamaForCausalLM, dict]:
     """Train and save the ``target`` or ``draft`` LM; returns it and its history."""
+    d, recipe, seed, log, out = run.d, run.recipe, run.seed, run.log, run.out
     spec = recipe.target if name == "target" else recipe.draft
     torch.manual_seed(seed)
     model = LlamaForCausalLM(spec.config(len(d.tok), recipe.seq_len, d.tok.eos_token_id))
@@ -467,24 +472,20 @@ def _train_lm_stage(
         name,
     )
     hist["params"] = n_params(model)
-    save_lm(model, d.tok, out, name, save_dtype)
+    save_lm(model, d.tok, out, name, run.save_dtype)
     return model, hist
 
 
 def _train_eagle_stage(
+    run: _Run,
     target: LlamaForCausalLM | None,
-    d: _Data,
-    recipe: Recipe,
-    seed: int,
     max_steps: int | None,
     seconds: float,
-    log: Logger,
-    out: Path,
-    save_dtype: torch.dtype,
     resume: bool,
 ) -> dict:
     """Train and save the EAGLE head on ``target`` (None: the one stored in ``out``);
     ``resume``: continue from ``out/eagle`` when it exists. Returns its history."""
+    d, recipe, seed, log, out = run.d, run.recipe, run.seed, run.log, run.out
     if target is None:
         from transformers import AutoModelForCausalLM
 
@@ -504,7 +505,7 @@ def _train_eagle_stage(
         head, target, d.train_stream, d.val_windows, recipe, seed, max_steps, seconds, log
     )
     hist["params"] = sum(v.numel() for v in head.trainable_state_dict().values())
-    save_dir_atomic(out, "eagle", lambda p: head.save_pretrained(p, dtype=save_dtype))
+    save_dir_atomic(out, "eagle", lambda p: head.save_pretrained(p, dtype=run.save_dtype))
     return hist
 
 
@@ -560,24 +561,16 @@ def run_train(
     d = _prepare_data(out, recipe, stages, log, wall0)
     seconds = _stage_seconds(recipe, stages, minutes, wall0)
     summary: dict = {"seed": seed, "recipe": asdict(recipe), "command": command, "stages": {}}
+    run = _Run(d, recipe, seed, log, out, save_dtype)
     models: dict[str, LlamaForCausalLM] = {}
     for name in ("target", "draft"):
         if name in stages:
             models[name], summary["stages"][name] = _train_lm_stage(
-                name, d, recipe, seed, steps.get(name), seconds[name], log, out, save_dtype
+                run, name, steps.get(name), seconds[name]
             )
     if "eagle" in stages:
         summary["stages"]["eagle"] = _train_eagle_stage(
-            models.get("target"),
-            d,
-            recipe,
-            seed,
-            steps.get("eagle"),
-            seconds["eagle"],
-            log,
-            out,
-            save_dtype,
-            resume,
+            run, models.get("target"), steps.get("eagle"), seconds["eagle"], resume
         )
     _write_summary(out, stages, summary, log, wall0)
     return summary

@@ -147,10 +147,10 @@ def _settings(spec: Any, sampling: Any) -> TreeSettings:
     if not isinstance(spec, str):
         raise ValueError(f"{key}['tree'] must be a tree spec string, got {spec!r}")
     try:
-        parse_tree_spec(spec)
+        policy = parse_tree_spec(spec)
     except ValueError as e:
         raise ValueError(f"{key}['tree']: {e}") from None
-    settings = TreeSettings.parse(spec, sampling, sampling_field=f"{key}['draft_sampling']")
+    settings = TreeSettings.parse(policy, sampling, sampling_field=f"{key}['draft_sampling']")
     if isinstance(settings.policy, NoDraftPolicy):
         raise ValueError(f"{key}['tree'] is 'none': drop speculative_config instead")
     return settings

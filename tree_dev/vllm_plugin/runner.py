@@ -81,9 +81,11 @@ class _Verify:
     req_index: list[int]
     req_ids: list[str]
     prefix_lens: list[int]
-    trees: list[TokenTree]
-    tokens: list[list[int]]
-    draft_probs: list[torch.Tensor | None]
+    proposals: list[Proposal]  # as verified: a tree the scheduler cut is its BFS prefix
+
+    @property
+    def trees(self) -> list[TokenTree]:
+        return [p.tree for p in self.proposals]
 
 
 def tree_eligible(sp) -> bool:
@@ -194,7 +196,7 @@ class TreeRunner:
         )
         if not specs:
             return
-        idx, rids, prefix, trees, toks, qs = [], [], [], [], [], []
+        idx, rids, prefix, props = [], [], [], []
         qsl = r.query_start_loc.np
         for rid, drafts in specs.items():
             if not drafts:
@@ -212,20 +214,23 @@ class TreeRunner:
                     f"treespec: request {rid} has {n} drafts but {num_scheduled_tokens[i]} "
                     "scheduled tokens (a tree must be verified in one forward)"
                 )
-            tree = prop.tree
-            if n + 1 < tree.num_nodes:
-                tree = tree_of(tuple(tree.parents.tolist()[: n + 1]))
+            if n + 1 < prop.tree.num_nodes:  # cut to its first n + 1 nodes (BFS)
+                q = None if prop.draft_probs is None else prop.draft_probs[: n + 1]
+                cut = tree_of(tuple(prop.tree.parents.tolist()[: n + 1]))
+                prop = Proposal(cut, prop.tokens[: n + 1], q)
             idx.append(i)
             rids.append(rid)
             prefix.append(int(batch.num_computed_tokens_cpu[i]))
-            trees.append(tree)
-            toks.append(prop.tokens[: n + 1])
-            qs.append(None if prop.draft_probs is None else prop.draft_probs[: n + 1])
+            props.append(prop)
         if not idx:
             return
-        self.verify = _Verify(idx, rids, prefix, trees, toks, qs)
+        self.verify = _Verify(idx, rids, prefix, props)
+        trees = self.verify.trees
         self.verify_trees = VerifyTrees(
-            list(rids), [t.parents.tolist() for t in trees], [list(t) for t in toks], list(prefix)
+            list(rids),
+            [t.parents.tolist() for t in trees],
+            [list(p.tokens) for p in props],
+            list(prefix),
         )
         # A chain's rows are what vLLM verifies anyway (positions P + node = P + depth,
         # the causal mask = its ancestors): vLLM's own kernel is exact for them.
@@ -289,7 +294,7 @@ class TreeRunner:
         first = [int(starts[i]) for i in rows]
         res = walk_trees(
             [logits[f : f + t.num_nodes] for f, t in zip(first, v.trees)],
-            [Proposal(t, toks, q) for t, toks, q in zip(v.trees, v.tokens, v.draft_probs)],
+            v.proposals,
             [self._mode(sm, v, j) for j in range(len(rows))],
             sm.temperature[rows].tolist() if sm.temperature is not None else [0.0] * len(rows),
             sm.top_p[rows].tolist() if sm.top_p is not None else None,
@@ -305,7 +310,7 @@ class TreeRunner:
             nodes, emitted = res.accepted[j], res.emitted[j]
             out[i].fill_(-1)
             out[i, : len(emitted)] = torch.tensor(emitted, dtype=out.dtype)
-            self.stats.depth.record(v.trees[j].max_depth, len(nodes) - 1)
+            self.stats.depth.record(v.proposals[j].tree.max_depth, len(nodes) - 1)
             moves.append((i, v.prefix_lens[j], nodes))
             self.accepted[v.req_ids[j]] = nodes
         t1 = time.perf_counter()
@@ -320,7 +325,8 @@ class TreeRunner:
         (``target_only``) or of sampled drafts (``draft_probs``)."""
         if sm.all_greedy or sm.temperature is None:
             return "greedy"
-        return walk_mode(float(sm.temperature[v.req_index[j]]), v.draft_probs[j] is not None)
+        sampled_drafts = v.proposals[j].draft_probs is not None
+        return walk_mode(float(sm.temperature[v.req_index[j]]), sampled_drafts)
 
     def _compact(self, moves: list[tuple[int, int, list[int]]]) -> None:
         """Accepted nodes ``P + node_j`` -> slots ``P + j`` in every target layer."""
@@ -494,9 +500,14 @@ def _slot(row: torch.Tensor, block_size: int, pos: int) -> int:
     return int(row[pos // block_size]) * block_size + pos % block_size
 
 
+def tree_runner_of(model_runner) -> TreeRunner | None:
+    """The plugin's state on a vLLM model runner (None: no ``tree`` key for this engine)."""
+    return getattr(model_runner, "_treespec", None)
+
+
 def verify_trees(model_runner) -> VerifyTrees | None:
     """The trees of the verify forward a vLLM model runner is about to run (None: no tree
     in this step, or no tree plugin on this runner): set after vLLM prepares the step's
     inputs, before the model's forward. The accuracy capture reads it here."""
-    st = getattr(model_runner, "_treespec", None)
+    st = tree_runner_of(model_runner)
     return st.verify_trees if st is not None else None

@@ -7,15 +7,26 @@ from __future__ import annotations
 from tree_dev.proposer import NgramHistory
 
 
+def _tree_runner(worker, method: str | None = None):
+    """The worker's ``TreeRunner``; None without one, or a ValueError naming ``method``
+    when given (a method that changes the tree needs one)."""
+    from tree_dev.vllm_plugin.runner import tree_runner_of
+
+    st = tree_runner_of(getattr(worker, "model_runner", None))
+    if st is None and method is not None:
+        raise ValueError(f"{method}: this engine has no treespec tree (no 'tree' key)")
+    return st
+
+
 def worker_tree_stats(worker) -> dict:
     """Per-depth acceptance of a worker's runner: ``llm.collective_rpc("treespec_tree_stats")``."""
-    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    st = _tree_runner(worker)
     return {"tree": st.cfg.spec, **st.stats.as_dict()} if st is not None else {}
 
 
 def worker_recorded_trees(worker) -> list[dict]:
     """The first ``record_trees`` proposals: request id, context, parents, tokens."""
-    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
+    st = _tree_runner(worker)
     return list(st.recorded) if st is not None else []
 
 
@@ -37,9 +48,7 @@ def worker_set_debug(worker, disable: str | None, record_trees: int = 0) -> None
         raise ValueError(
             f"treespec_set_debug: record_trees = {record_trees!r}; expected an int >= 0"
         )
-    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
-    if st is None:
-        raise ValueError("treespec_set_debug: this engine has no treespec tree (no 'tree' key)")
+    st = _tree_runner(worker, "treespec_set_debug")
     st.cfg = dataclasses.replace(st.cfg, debug_disable=disable, record_trees=record_trees)
     st.recorded.clear()
 
@@ -50,14 +59,13 @@ def worker_set_tree(worker, spec: str) -> None:
     tree must pass the start-up checks (``config.parse``) against the engine's speculative
     config (so its budget is ``num_speculative_tokens``) and forward no more draft nodes
     than the KV slots vLLM reserves for the start-up tree (``config.lookahead_slots``).
-    One compiled engine then proves several tree kinds."""
+    One compiled engine then proves several tree kinds. Trees already proposed are
+    verified as they are (any tree is exact); the next ones follow ``spec``."""
     import dataclasses
 
     from tree_dev.vllm_plugin import config
 
-    st = getattr(getattr(worker, "model_runner", None), "_treespec", None)
-    if st is None:
-        raise ValueError("treespec_set_tree: this engine has no treespec tree (no 'tree' key)")
+    st = _tree_runner(worker, "treespec_set_tree")
     cur = st.cfg
     section = {"tree": spec, "kernel_backend": cur.kernel_backend}
     section["draft_sampling"] = cur.draft_sampling
@@ -70,7 +78,6 @@ def worker_set_tree(worker, spec: str) -> None:
         )
     st.cfg = dataclasses.replace(cur, spec=new.spec, policy=new.policy)
     st.history = NgramHistory(getattr(new.policy, "history", 0))
-    st.proposals.clear()
 
 
 class Profiler:
