@@ -17,8 +17,18 @@ from tree_dev.vllm_plugin import hooks  # noqa: E402
 
 def test_every_catalogued_target_resolves_in_this_vllm():
     assert hooks.missing_targets(hooks.CATALOGUE) == []
-    assert {p.how for p in hooks.CATALOGUE} <= {"wrap", "property", "add", "use"}
+    assert {p.how for p in hooks.CATALOGUE} <= {"wrap", "property", "use"}
     assert all(p.why for p in hooks.CATALOGUE)
+
+
+WORKER_METHODS = (
+    "treespec_tree_stats",
+    "treespec_recorded_trees",
+    "treespec_set_debug",
+    "treespec_set_tree",
+    "treespec_record_steps",
+    "treespec_recorded_steps",
+)
 
 
 def test_install_puts_every_hook_in_place():
@@ -27,9 +37,48 @@ def test_install_puts_every_hook_in_place():
     hooks.install()
     not_in_place = [p.target for p in hooks.CATALOGUE if not hooks.installed(p)]
     assert not_in_place == []
-    names = ("treespec_tree_stats", "treespec_recorded_trees", "treespec_set_debug")
-    for name in (*names, "treespec_set_tree"):
-        assert callable(getattr(WorkerBase, name))
+    # the worker methods come as vLLM's worker extension: vLLM's classes are not changed
+    assert not any(hasattr(WorkerBase, name) for name in WORKER_METHODS)
+
+
+def test_an_engine_with_a_tree_gets_the_worker_extension_and_keeps_the_users(monkeypatch):
+    """``VllmConfig``'s check sets ``parallel_config.worker_extension_cls`` for an engine
+    with a tree (and only then); vLLM resolves it to a class with every ``treespec_*``
+    method, combined with the user's own extension when there is one."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm_engines import DRAFT, TARGET
+
+    from tree_dev.vllm_plugin.worker_methods import EXTENSION
+
+    module = types.ModuleType("fake_extension_for_tests")
+
+    class UserExtension:
+        def my_call(self) -> str:
+            return "mine"
+
+    module.UserExtension = UserExtension
+    monkeypatch.setitem(sys.modules, "fake_extension_for_tests", module)
+    load_general_plugins()
+
+    def extension(tree: str | None, **kw) -> str:
+        sc = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}
+        extra = {"additional_config": {"treespec": {"tree": tree}}} if tree else {}
+        args = EngineArgs(model=TARGET, max_model_len=512, speculative_config=sc, **extra, **kw)
+        return args.create_engine_config().parallel_config.worker_extension_cls
+
+    assert extension(None) == ""  # no tree: vLLM's config untouched
+    assert extension("chain:4") == EXTENSION
+    ext = resolve_obj_by_qualname(EXTENSION)
+    assert all(callable(getattr(ext, name)) for name in WORKER_METHODS)
+    combined = resolve_obj_by_qualname(
+        extension("chain:4", worker_extension_cls="fake_extension_for_tests.UserExtension")
+    )
+    assert issubclass(combined, UserExtension) and issubclass(combined, ext)
+    assert combined().my_call() == "mine"
+    with pytest.raises(ValueError, match="my__pkg.Ext"):
+        extension("chain:4", worker_extension_cls="my__pkg.Ext")
 
 
 @pytest.fixture

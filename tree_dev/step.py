@@ -390,3 +390,29 @@ def _draft_probs(idx, proposals, vocab: int) -> torch.Tensor:
             )
         rows.append(q)
     return torch.cat(rows)
+
+
+@dataclass
+class RequestStep:
+    """One request in one verify step (``StepEvent``): the tree the target scored and the
+    path the walk accepted."""
+
+    req_id: int | str  # the local engine's int id; vLLM's request id
+    prefix_len: int  # committed tokens cached before the root; the root's position
+    context: list[int]  # committed tokens, root last (len prefix_len + 1)
+    parents: list[int]  # [N] node parents (-1: the root)
+    tokens: list[int]  # [N] node tokens
+    max_depth: int  # the tree's depth (0: the root alone)
+    accepted: list[int] = field(default_factory=list)  # accepted node ids, root first
+    emitted: list[int] = field(default_factory=list)  # the walk's tokens: drafts + bonus
+    mode: str = "greedy"  # the walk (``walk_mode``)
+
+
+@dataclass
+class StepEvent:
+    """What one verify step did, for subscribers (``Engine.on_step`` in the local engine,
+    ``TreeRunner.on_step`` in the vLLM plugin): every tree request's tree and accepted
+    path, and the step's seconds by phase."""
+
+    requests: list[RequestStep]
+    timings: dict[str, float]

@@ -5,8 +5,9 @@ with ``vllm.v1.attention.backends.registry.register_backend`` for ``CPU_ATTN``, 
 ``hooks``) keeps vLLM's kernel for every row it gets right and recomputes the rows of
 token trees with ``kernels.tree_attention``:
 
-- **verify forward** (the target scores every request's tree): the runner publishes the
-  batch's trees in ``ACTIVE.verify`` before the forward; the layer lets vLLM write K/V and
+- **verify forward** (the target scores every request's tree): the runner puts the
+  batch's ``TreeRows`` in vLLM's ``ForwardContext.additional_kwargs`` (``VERIFY_ROWS``)
+  for that forward only (``publish_verify_rows``); the layer lets vLLM write K/V and
   run its causal kernel, then overwrites the tree requests' rows with tree attention over
   the request's prefix and the node's ancestors (K/V read back from vLLM's cache through
   the measured ``KVLayout``).
@@ -52,6 +53,8 @@ class TreeRows:
     query_nodes: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     kv_lens: list[int] = field(default_factory=list)
+    backend: str = "torch"  # the ``kernels`` backend of tree attention
+    seconds: float = 0.0  # spent in ``tree_attend`` over this forward's layers
     _tables: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -83,15 +86,50 @@ class TreeAttentionMetadata:
     num_actual_tokens: int
 
 
-class _Active:
-    """The trees of the forward in flight (one model runner per worker process)."""
+def verify_tree_rows(
+    trees: list[TokenTree],
+    first_rows: list[int],
+    prefix_lens: list[int],
+    req_rows: list[int],
+    backend: str,
+) -> TreeRows:
+    """The ``TreeRows`` of a verify forward: tree ``b``'s nodes are the consecutive query
+    rows from ``first_rows[b]``, its request's row in vLLM's metadata is ``req_rows[b]``,
+    ``prefix_lens[b]`` tokens are cached before its root."""
+    rows = torch.cat(
+        [torch.arange(s, s + t.num_nodes, dtype=torch.int64) for s, t in zip(first_rows, trees)]
+    )
+    return TreeRows(
+        batch=tree_batch(tuple(trees)),
+        row_index=rows,
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
+        req_rows=torch.tensor(req_rows, dtype=torch.int64),
+        kv_lens=[p + t.num_nodes for p, t in zip(prefix_lens, trees)],
+        backend=backend,
+    )
 
-    verify: TreeRows | None = None
-    backend: str = "torch"
-    seconds: float = 0.0  # spent in tree_attend (verify and draft forwards)
+
+VERIFY_ROWS = "treespec_verify_rows"  # key of the verify forward's TreeRows
 
 
-ACTIVE = _Active()
+def publish_verify_rows(rows: TreeRows | None) -> None:
+    """Make ``rows`` the tree rows of the forward in flight: stored in vLLM's
+    ``ForwardContext.additional_kwargs``, which lives exactly as long as that forward, so
+    no other forward (a draft level, a dummy run) can see them. Call inside the forward
+    context (``hooks`` does, around ``GPUModelRunner._model_forward``)."""
+    if rows is not None:
+        from vllm.forward_context import get_forward_context
+
+        get_forward_context().additional_kwargs[VERIFY_ROWS] = rows
+
+
+def verify_rows() -> TreeRows | None:
+    """The tree rows of the verify forward in flight (None: not a tree forward)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return get_forward_context().additional_kwargs.get(VERIFY_ROWS)
 
 
 @lru_cache(maxsize=2048)
@@ -149,12 +187,12 @@ def tree_attend(
         rows.prefix_lens,
         table,
         scale=impl.scale,
-        backend=ACTIVE.backend,
+        backend=rows.backend,
         check_inputs=False,
     )
     if rows.query_nodes is not None:
         out = out[rows.query_nodes]
-    ACTIVE.seconds += time.perf_counter() - t0
+    rows.seconds += time.perf_counter() - t0
     return out
 
 
@@ -191,7 +229,7 @@ class TreeRowsMixin:
             out = tree_attend(self, layer, q, kv_cache, rows, rows.block_table)
             output[:n] = out.reshape(output[:n].shape).to(output.dtype)
             return output
-        rows = ACTIVE.verify
+        rows = verify_rows()
         if (
             rows is None
             or attn_metadata is None

@@ -31,7 +31,7 @@ import torch
 from tree_dev.proposer import expansion_for
 from tree_dev.step import DraftBatch, DraftRequest, Proposal, grow_trees
 from tree_dev.tree import TokenTree
-from tree_dev.vllm_plugin.attention import ACTIVE, TreeAttentionMetadata, TreeRows, tree_batch
+from tree_dev.vllm_plugin.attention import TreeAttentionMetadata, TreeRows, tree_batch
 
 
 @dataclass
@@ -132,6 +132,7 @@ class ModelDrafter:
                     query_nodes=torch.tensor(qnodes, dtype=torch.int64),
                     block_table=block_rows,
                     kv_lens=kv_lens,
+                    backend=self.tr.cfg.kernel_backend,
                 ),
                 num_actual_tokens=offset,
             )
@@ -146,18 +147,15 @@ class ModelDrafter:
         else:
             kwargs["inputs_embeds"] = None
         model = self.proposer.model
-        # the override treats published verify rows as tree rows: none in a draft forward
-        verify, ACTIVE.verify = ACTIVE.verify, None
-        try:
-            with set_forward_context(
-                metas,
-                self.proposer.vllm_config,
-                num_tokens=offset,
-                slot_mapping={name: slot_t for name in self.layers},
-            ):
-                hidden = model(**kwargs)
-        finally:
-            ACTIVE.verify = verify
+        with set_forward_context(
+            metas,
+            self.proposer.vllm_config,
+            num_tokens=offset,
+            slot_mapping={name: slot_t for name in self.layers},
+        ):
+            hidden = model(**kwargs)
+        if not causal:
+            self.tr.stats.seconds["tree_attention"] += meta.rows.seconds
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         if want is None:

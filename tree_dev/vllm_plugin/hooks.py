@@ -35,7 +35,7 @@ class Patch:
         target: ``"module:Class.attribute"`` (or ``"module:name"``) in vLLM.
         why: what the plugin needs there.
         how: ``"wrap"`` (the method, calling vLLM's), ``"property"`` (wrap the getter),
-            ``"add"`` (new worker methods on the class) or ``"use"`` (called, not changed).
+            or ``"use"`` (called or set through vLLM's own API, not changed).
         make: for ``wrap`` / ``property``: ``make(original) -> replacement``.
         required: False for targets only some vLLM builds have (the CPU runner module).
     """
@@ -151,22 +151,7 @@ def install() -> None:
         return
     apply(CATALOGUE)
     _check_version()
-    _add_worker_methods()
     _INSTALLED = True
-
-
-def _add_worker_methods() -> None:
-    """``llm.collective_rpc("treespec_tree_stats")`` / ``("treespec_recorded_trees")`` /
-    ``("treespec_set_debug", args=(part, n))`` / ``("treespec_set_tree", args=(spec,))``
-    (tests)."""
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    from tree_dev.vllm_plugin import worker_methods as w
-
-    WorkerBase.treespec_tree_stats = w.worker_tree_stats
-    WorkerBase.treespec_recorded_trees = w.worker_recorded_trees
-    WorkerBase.treespec_set_debug = w.worker_set_debug
-    WorkerBase.treespec_set_tree = w.worker_set_tree
 
 
 def _config_post_init(orig):
@@ -182,6 +167,10 @@ def _config_post_init(orig):
                 kv_cache_dtype=getattr(self.cache_config, "cache_dtype", "auto"),
                 device=str(getattr(self.device_config, "device_type", "cpu")),
             )
+            from tree_dev.vllm_plugin.worker_methods import extension_for
+
+            pc = self.parallel_config  # the treespec_* collective_rpc entry points
+            pc.worker_extension_cls = extension_for(pc.worker_extension_cls)
 
     return __post_init__
 
@@ -286,6 +275,18 @@ def _prepare_inputs(orig):
     return _prepare_inputs
 
 
+def _model_forward(orig):
+    def _model_forward(self, *args: Any, **kwargs: Any):
+        st = getattr(self, "_treespec", None)
+        if st is not None:
+            from tree_dev.vllm_plugin.attention import publish_verify_rows
+
+            publish_verify_rows(st.verify_rows)
+        return orig(self, *args, **kwargs)
+
+    return _model_forward
+
+
 def _sample(orig):
     def _sample(self, logits, spec_decode_metadata):
         st = getattr(self, "_treespec", None)
@@ -327,10 +328,11 @@ CATALOGUE: tuple[Patch, ...] = (
         _lookahead,
     ),
     Patch(
-        "vllm.v1.worker.worker_base:WorkerBase",
-        "collective_rpc entry points: treespec_tree_stats, treespec_recorded_trees, "
-        "treespec_set_debug, treespec_set_tree",
-        "add",
+        "vllm.config.parallel:ParallelConfig.worker_extension_cls",
+        "collective_rpc entry points (worker_methods.TreeWorkerExtension, set by the config "
+        "check above): treespec_tree_stats, treespec_recorded_trees, treespec_set_debug, "
+        "treespec_set_tree, treespec_record_steps, treespec_recorded_steps",
+        "use",
     ),
     Patch(
         f"{_RUNNER}.__init__",
@@ -360,6 +362,13 @@ CATALOGUE: tuple[Patch, ...] = (
         "depth positions and the tree rows of the verify forward",
         "wrap",
         _prepare_inputs,
+    ),
+    Patch(
+        f"{_RUNNER}._model_forward",
+        "hand the verify forward's tree rows to the attention override through vLLM's "
+        "ForwardContext.additional_kwargs (scoped to that forward: no module global)",
+        "wrap",
+        _model_forward,
     ),
     Patch(
         f"{_RUNNER}._sample",

@@ -1,8 +1,16 @@
 """The tree plugin's worker methods (``llm.collective_rpc("treespec_...")``) and its
 developer profiler: a window onto a running engine's ``TreeRunner`` for tests and
-benchmarks, installed on vLLM's ``WorkerBase`` by ``hooks``."""
+benchmarks.
+
+They reach vLLM's workers as a worker extension (``TreeWorkerExtension``, vLLM's
+``parallel_config.worker_extension_cls``): the plugin sets it when an engine asks for a
+tree (``hooks``). A user's own extension class is kept: the plugin names a class that
+derives from both (``extension_for``).
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from tree_dev.proposer import NgramHistory
 
@@ -27,7 +35,30 @@ def worker_tree_stats(worker) -> dict:
 def worker_recorded_trees(worker) -> list[dict]:
     """The first ``record_trees`` proposals: request id, context, parents, tokens."""
     st = _tree_runner(worker)
-    return list(st.recorded) if st is not None else []
+    return list(st.proposer.recorded) if st is not None else []
+
+
+def worker_record_steps(worker, n: int) -> None:
+    """``llm.collective_rpc("treespec_record_steps", args=(n,))``: keep the next ``n``
+    step events (``tree_dev.step.StepEvent``, as dicts) for ``worker_recorded_steps``."""
+    from tree_dev.vllm_plugin.stats import StepRecorder
+
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"treespec_record_steps: n = {n!r}; expected an int >= 0")
+    st = _tree_runner(worker, "treespec_record_steps")
+    if getattr(st, "step_recorder", None) is None:
+        st.step_recorder = StepRecorder()
+        st.on_step(st.step_recorder.record)
+    st.step_recorder.limit, st.step_recorder.events = n, []
+
+
+def worker_recorded_steps(worker) -> list[dict]:
+    """The step events kept since ``treespec_record_steps``: per event ``requests`` (each
+    ``req_id``, ``prefix_len``, ``context``, ``parents``, ``tokens``, ``max_depth``,
+    ``accepted``, ``emitted``, ``mode``) and ``timings``."""
+    st = _tree_runner(worker)
+    rec = getattr(st, "step_recorder", None)
+    return list(rec.events) if rec is not None else []
 
 
 def worker_set_debug(worker, disable: str | None, record_trees: int = 0) -> None:
@@ -50,7 +81,7 @@ def worker_set_debug(worker, disable: str | None, record_trees: int = 0) -> None
         )
     st = _tree_runner(worker, "treespec_set_debug")
     st.cfg = dataclasses.replace(st.cfg, debug_disable=disable, record_trees=record_trees)
-    st.recorded.clear()
+    st.proposer.recorded.clear()
 
 
 def worker_set_tree(worker, spec: str) -> None:
@@ -77,7 +108,52 @@ def worker_set_tree(worker, spec: str) -> None:
             f"engine reserved KV slots for {reserved} (its start-up tree {st.start_policy.spec!r})"
         )
     st.cfg = dataclasses.replace(cur, spec=new.spec, policy=new.policy)
-    st.history = NgramHistory(getattr(new.policy, "history", 0))
+    st.proposer.history = NgramHistory(getattr(new.policy, "history", 0))
+
+
+class TreeWorkerExtension:
+    """vLLM worker extension: the ``treespec_*`` entry points of ``llm.collective_rpc``."""
+
+    treespec_tree_stats = worker_tree_stats
+    treespec_recorded_trees = worker_recorded_trees
+    treespec_set_debug = worker_set_debug
+    treespec_set_tree = worker_set_tree
+    treespec_record_steps = worker_record_steps
+    treespec_recorded_steps = worker_recorded_steps
+
+
+EXTENSION = f"{__name__}.TreeWorkerExtension"
+_WITH = "TreeWorkerExtension_with_"  # + a user's extension qualname, "." spelled "__"
+
+
+def extension_for(user_extension: str) -> str:
+    """The ``worker_extension_cls`` an engine with a tree gets: ``EXTENSION``, or, when
+    the user named an extension of their own, a class deriving from both.
+
+    >>> extension_for("")
+    'tree_dev.vllm_plugin.worker_methods.TreeWorkerExtension'
+    >>> extension_for("my_pkg.ext.MyExtension")
+    'tree_dev.vllm_plugin.worker_methods.TreeWorkerExtension_with_my_pkg__ext__MyExtension'
+    """
+    if not user_extension or user_extension == EXTENSION or _WITH in user_extension:
+        return EXTENSION if not user_extension else user_extension
+    if "__" in user_extension:
+        raise ValueError(
+            f"worker_extension_cls = {user_extension!r}: the tree plugin combines it with its "
+            "own extension and cannot name a qualname that contains '__'"
+        )
+    return f"{__name__}.{_WITH}{user_extension.replace('.', '__')}"
+
+
+def __getattr__(name: str) -> type:
+    """The combined extension classes ``extension_for`` names (built on first import)."""
+    if not name.startswith(_WITH):
+        raise AttributeError(name)
+    module_name, _, cls_name = name[len(_WITH) :].replace("__", ".").rpartition(".")
+    user = getattr(importlib.import_module(module_name), cls_name)
+    combined = type(name, (TreeWorkerExtension, user), {})
+    globals()[name] = combined
+    return combined
 
 
 class Profiler:
