@@ -273,12 +273,12 @@ def test_linear_routes_switched_by_default_where_they_help(monkeypatch, route, d
     ``onednn_faster()`` (AVX-512 CPUs) and to the few-row GEMM exactly where
     ``narrow_available()``; ``onednn_linear`` / ``narrow_linear`` = True / False force
     each on / off (a torch or CPU that cannot run a route leaves the layers alone)."""
-    import tree_dev.engine as engine_mod
+    import tree_dev.engine_setup as setup_mod
     from tree_dev.narrow_linear import narrow_available
     from tree_dev.onednn_linear import onednn_available
 
     probe, flag, other, marker = LINEAR_ROUTES[route]
-    monkeypatch.setattr(engine_mod, probe, lambda: default)
+    monkeypatch.setattr(setup_mod, probe, lambda: default)
     can = {"onednn": onednn_available, "narrow": narrow_available}[route]()
 
     def switched(**flags) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The local tree speculative-decoding engine, in one file.
+"""The local tree speculative-decoding engine: an adapter of ``tree_dev.step``.
 
 A token's life, top to bottom of this file:
 
@@ -35,6 +35,12 @@ A step whose every tree is the root alone is a plain decode: one SDPA call per
 request and layer over a view of its cache, the next token drawn directly (no
 tree attention plan, no walk, no compaction); compaction also runs only when an
 accepted path is not already in place.
+
+This file holds the ``Engine`` and its step's order; the parts live next to it: set-up
+(models, checks, runners, linear routes) in ``tree_dev.engine_setup``, the drafting glue
+in ``tree_dev.drafting``, the walk, compaction and root-only fast path in
+``tree_dev.acceptance``, the commit and stop rules in ``tree_dev.requests.Request``, the
+forwards over paged KV in ``tree_dev.model_runner``.
 """
 
 from __future__ import annotations
@@ -42,26 +48,31 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
-import kernels
-from kernels.reference import target_probs
-from kernels.torchops.tree_walk import sample_inverse_cdf
-from tree_dev.attention import register
-from tree_dev.model_runner import (
-    PREFILL_CHUNK,
-    Runner,
-    _attn_geometry,
-    _tree_batch,
-    load_causal_lm,
+from tree_dev.acceptance import (
+    accepted_features,
+    accepted_paths,
+    advance,
+    check_finite_logits,
+    compact_accepted,
 )
-from tree_dev.narrow_linear import narrow_available, use_narrow_linears
-from tree_dev.onednn_linear import onednn_faster, use_onednn_linears
-from tree_dev.proposer import NgramHistory, expansion_for, ngram_trie
+from tree_dev.drafting import draft_forward, draft_requests, mark_drafted, undrafted_proposals
+from tree_dev.engine_setup import (
+    cache_blocks,
+    check_kernel_limit,
+    draft_runner,
+    drafter_models,
+    eos_token_ids,
+    load_models,
+    switch_linears,
+    target_runner,
+)
+from tree_dev.model_runner import Runner, load_causal_lm
+from tree_dev.proposer import NgramHistory
 from tree_dev.requests import (
     Request,
     RequestStep,
@@ -69,36 +80,11 @@ from tree_dev.requests import (
     StepEvent,
     StepOutput,
 )
-from tree_dev.spec import (
-    HybridPolicy,
-    NgramPolicy,
-    NoDraftPolicy,
-    Policy,
-    TreeSettings,
-)
-from tree_dev.step import DraftBatch, DraftRequest, Proposal, grow_trees, walk_trees
-from tree_dev.tree import TokenTree
+from tree_dev.spec import NgramPolicy, NoDraftPolicy, Policy, TreeSettings
+from tree_dev.step import DraftBatch, Proposal, grow_trees
 
 __all__ = ["Engine", "Request", "RequestStep", "SamplingParams", "StepEvent", "StepOutput"]
 __all__ += ["Runner", "load_causal_lm"]
-
-_ROOT_ONLY = TokenTree.chain(0)  # plain decoding's tree (immutable, its properties cached)
-# the walk's tree batches (the verify forward caches its own: model_runner._batch_of)
-_walk_batch = lru_cache(maxsize=1024)(_tree_batch)
-
-
-def _switch_linears(models, onednn_linear: bool | None, narrow_linear: bool | None) -> None:
-    """Route the models' linear layers through oneDNN and/or ``narrow_gemm`` (None: where
-    this CPU gains from it)."""
-    if onednn_linear is None:
-        onednn_linear = onednn_faster()
-    if narrow_linear is None:
-        narrow_linear = narrow_available()
-    for model in models:
-        if model is not None and onednn_linear:
-            use_onednn_linears(model)
-        if model is not None and narrow_linear:  # after oneDNN: it keeps the wide inputs
-            use_narrow_linears(model)
 
 
 # --------------------------------------------------------------------------- engine
@@ -155,40 +141,23 @@ class Engine:
         self.draft_sampling = settings.draft_sampling
         # finished requests' tokens, searched by an ngram:...,history=H trie
         self.ngram_history = NgramHistory(getattr(self.policy, "history", 0))
-        if isinstance(target, (str, Path)):
-            target = load_causal_lm(target)
-        if isinstance(draft, (str, Path)):
-            draft = load_causal_lm(draft, dtype=next(target.parameters()).dtype)
-        draft, eagle = self._drafter_models(target, draft, eagle, tree)
+        target, draft = load_models(target, draft)
+        draft, eagle = drafter_models(self.policy, target, draft, eagle, tree)
         if max_batch < 1 or max_model_len < 2:
             raise ValueError(
                 f"max_batch must be >= 1 and max_model_len >= 2, got {max_batch}, {max_model_len}"
             )
-        self._check_kernel_limit(target, kernel_backend, tree)
-        register()
-        self.target = target.eval()
-        self.target.set_attn_implementation("treespec")
+        check_kernel_limit(self.policy, target, kernel_backend, tree)
+        self.target = target
         self.kernel_backend = kernel_backend
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.vocab_size = target.config.vocab_size
-        eos = target.config.eos_token_id if eos_token_id is None else eos_token_id
-        self.eos_ids = set(
-            eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
-        )
-        blocks = max_batch * -(
-            -(max_model_len + self.policy.max_nodes + PREFILL_CHUNK) // block_size
-        )
-        self.runner = Runner(
-            target,
-            *_attn_geometry(target.config),
-            blocks,
-            block_size,
-            kernel_backend,
-            tree_kernel=tree_kernel,
-        )
-        self.draft_runner = self._draft_runner(draft, eagle, blocks, block_size)
-        _switch_linears(
+        self.eos_ids = eos_token_ids(target.config, eos_token_id)
+        blocks = cache_blocks(max_batch, max_model_len, self.policy.max_nodes, block_size)
+        self.runner = target_runner(target, blocks, block_size, kernel_backend, tree_kernel)
+        self.draft_runner = draft_runner(draft, eagle, blocks, block_size, kernel_backend)
+        switch_linears(
             (target, draft if draft is not None else eagle), onednn_linear, narrow_linear
         )
         self.waiting: deque[Request] = deque()
@@ -198,56 +167,6 @@ class Engine:
         self.timings = {"draft": 0.0, "verify": 0.0, "walk": 0.0, "prefill": 0.0}
         self.forwards = {"target": 0, "draft": 0}
         self._step_listeners: list[Callable[[StepEvent], None]] = []
-
-    def _drafter_models(self, target, draft, eagle, tree: str) -> tuple:
-        """``(draft, eagle)`` this engine runs: both None where the tree needs no draft
-        (plain decoding, n-gram tries); ValueError for a missing, doubled or mismatched
-        draft."""
-        if draft is not None and eagle is not None:
-            raise ValueError("give either a draft model or an EAGLE head, not both")
-        uses_draft = not isinstance(self.policy, (NoDraftPolicy, NgramPolicy))
-        if uses_draft and draft is None and eagle is None:
-            raise ValueError(f"tree {tree!r} needs a draft model or an EAGLE head")
-        if not uses_draft:  # plain decoding and n-gram tries run no draft
-            return None, None
-        vocab = target.config.vocab_size
-        drafter = draft if draft is not None else eagle
-        if drafter.config.vocab_size != vocab:
-            raise ValueError(
-                f"draft vocabulary ({drafter.config.vocab_size}) differs from "
-                f"the target's ({vocab})"
-            )
-        return draft, eagle
-
-    def _check_kernel_limit(self, target, kernel_backend: str, tree: str) -> None:
-        dev = next(target.parameters()).device
-        attn_fn = kernels._resolve("tree_attention", kernel_backend, dev)
-        limit = getattr(attn_fn, "max_tree_nodes", None)
-        if limit is not None and self.policy.max_nodes > limit:
-            raise ValueError(
-                f"tree {tree!r} has up to {self.policy.max_nodes} nodes; kernel backend "
-                f"{kernel_backend!r} supports at most {limit}"
-            )
-
-    def _draft_runner(self, draft, eagle, blocks: int, block_size: int) -> Runner | None:
-        """The draft LM's or EAGLE head's runner (None without one)."""
-        drafter = draft if draft is not None else eagle
-        if drafter is None:
-            return None
-        drafter.eval()
-        if eagle is not None:
-            eagle.config._attn_implementation = "treespec"
-            eagle.decoder.set_attn_implementation("treespec")
-        else:
-            drafter.set_attn_implementation("treespec")
-        return Runner(
-            drafter,
-            *_attn_geometry(drafter.config),
-            blocks,
-            block_size,
-            self.kernel_backend,
-            eagle=eagle is not None,
-        )
 
     # ----------------------------------------------------------------- public API
     def on_step(self, listener: Callable[[StepEvent], None]) -> None:
@@ -331,6 +250,7 @@ class Engine:
                     p.tree.parents.tolist(),
                     p.tokens,
                     p.tree.max_depth,
+                    mode=r.mode,
                 )
                 for r, p in zip(batch, proposals)
             ]
@@ -379,51 +299,20 @@ class Engine:
 
     # ----------------------------------------------------------------- drafting
     def _propose(self, batch: list[Request]) -> list[Proposal]:
-        if isinstance(self.policy, NoDraftPolicy):
-            return [Proposal(_ROOT_ONLY, [r.root]) for r in batch]
-        if isinstance(self.policy, NgramPolicy):
-            hist = self.ngram_history
-            return [Proposal(*ngram_trie(r.prompt + r.output, self.policy, hist)) for r in batch]
+        if isinstance(self.policy, (NoDraftPolicy, NgramPolicy)):
+            return undrafted_proposals(self.policy, batch, self.ngram_history)
         eagle = self.draft_runner.eagle
-        reqs = []
-        for r in batch:
-            can = not eagle or bool(r.pending)  # an EAGLE head needs the root's feature
-            expansion = expansion_for(
-                self.policy,
-                r.root,
-                context=r.prompt + r.output if isinstance(self.policy, HybridPolicy) else None,
-                sample_temperature=r.params.temperature if r.sampled_drafts else None,
-                generator=r.generator,
-            )
-            trunk, feats = (
-                (r.pending, r.pending_feats if eagle else None) if can else ([r.root], None)
-            )
-            reqs.append(DraftRequest(r.req_id, trunk, r.draft_len, expansion, feats, can))
+        reqs = draft_requests(self.policy, batch, eagle)
         proposals = grow_trees(reqs, self._draft_forward)
-        for r, d in zip(batch, reqs):  # what the draft consumed is in its cache
-            done = d.prefix - r.draft_len
-            r.draft_len = d.prefix
-            r.pending = r.pending[done:]
-            if eagle and r.pending_feats is not None:
-                r.pending_feats = r.pending_feats[done:]
+        mark_drafted(batch, reqs, eagle)
         return proposals
 
     def _draft_forward(self, b: DraftBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The draft runner as ``tree_dev.step.DraftForward``."""
-        dr = self.draft_runner
-        if b.want is None:  # a catch-up chunk: every node of a chain
-            dr.forward(b.keys, b.prefixes, b.trees, None, b.tokens, b.feats, want_logits=False)
-            return None, None
-        rows, offset = [], 0  # logits only at the wanted rows
-        for nodes, w in zip(b.new_nodes, b.want):
-            where = {n: k for k, n in enumerate(nodes)}
-            rows += [offset + where[n] for n in w]
-            offset += len(nodes)
-        hidden, logits = dr.forward(
-            b.keys, b.prefixes, b.trees, b.new_nodes, b.tokens, b.feats, logit_rows=rows
-        )
-        self.forwards["draft"] += 1
-        return torch.log_softmax(logits.float(), dim=-1), hidden[rows]
+        """The draft runner as ``tree_dev.step.DraftForward``, counting its level forwards."""
+        out = draft_forward(self.draft_runner, b)
+        if b.want is not None:
+            self.forwards["draft"] += 1
+        return out
 
     # ----------------------------------------------------------------- acceptance
     def _accept(
@@ -437,128 +326,22 @@ class Engine:
         """Walk every tree, compact the KV of the accepted paths, commit the tokens; fills
         ``paths[req_id] = (accepted node ids, emitted tokens)`` unless ``paths`` is None."""
         sizes = [p.tree.num_nodes for p in proposals]
-        # the one walk check the engine can't rule out; a finite sum means every logit is
-        # finite (an inf or NaN makes it inf or NaN), the full check only when it is not
-        if not bool(torch.isfinite(logits.sum())) and not bool(torch.isfinite(logits).all()):
-            bad = [r.req_id for r, x in zip(batch, logits.split(sizes)) if not x.isfinite().all()]
-            raise RuntimeError(f"target produced non-finite logits for requests {bad}")
-        if all(n == 1 for n in sizes):
-            return self._accept_roots(batch, hidden, logits, paths)
-        dev = logits.device
-        res = walk_trees(
-            logits.split(sizes),
-            proposals,
-            [r.mode for r in batch],
-            [r.params.temperature for r in batch],
-            [r.params.top_p for r in batch],
-            [r.generator for r in batch],
-            lambda trees: _walk_batch(trees, dev),
-            self.kernel_backend,
-        )
-        self._compact(batch, res.accepted)
-        hidden_rows = hidden.split(sizes)
+        check_finite_logits(batch, logits, sizes)
+        accepted, emitted = accepted_paths(batch, proposals, logits, self.kernel_backend)
+        compact_accepted(self.runner.cache, batch, accepted, self.kernel_backend)
+        drafted = self.draft_runner is not None
+        feats = None
+        if drafted and self.draft_runner.eagle:
+            feats = accepted_features(hidden, sizes, accepted)
         outs = []
         for i, r in enumerate(batch):
-            nodes, emitted = res.accepted[i], res.emitted[i]
+            nodes, tokens = accepted[i], emitted[i]
             if paths is not None:
-                paths[r.req_id] = (list(nodes), list(emitted))
-            r.depth.record(proposals[i].tree.max_depth, len(nodes) - 1)
-            r.target_len += len(nodes)
-            if self.draft_runner is not None:
-                r.pending = r.pending + emitted
-                if self.draft_runner.eagle:
-                    f = hidden_rows[i][torch.tensor(nodes, device=hidden.device)]
-                    old = r.pending_feats
-                    r.pending_feats = f if old is None or not len(old) else torch.cat([old, f])
-            new = self._commit(r, emitted)
+                paths[r.req_id] = (list(nodes), list(tokens))
+            f = None if feats is None else feats[i]
+            advance(r, proposals[i].tree.max_depth, len(nodes), tokens, drafted, f)
+            new = r.commit(tokens, self.eos_ids, self.max_model_len)
             outs.append(StepOutput(r.req_id, new, r.finished, r.finish_reason))
         for r in [r for r in batch if r.finished]:
             self._release(r)
         return outs
-
-    def _compact(self, batch: list[Request], accepted: list[list[int]]) -> None:
-        """Move every accepted path's K/V to slots ``target_len + j`` (``kernels.kv_compact``);
-        nothing to move when every path is nodes ``0..n-1`` (a chain's accepted prefix)."""
-        if all(nodes == list(range(len(nodes))) for nodes in accepted):
-            return
-        dev = self.runner.device
-        width = max(len(nodes) for nodes in accepted)
-        acc_nodes = torch.zeros(len(batch), width, dtype=torch.int64)
-        for i, nodes in enumerate(accepted):
-            acc_nodes[i, : len(nodes)] = torch.tensor(nodes, dtype=torch.int64)
-        kernels.kv_compact(
-            self.runner.cache.k,
-            self.runner.cache.v,
-            torch.tensor([r.target_len for r in batch], device=dev),
-            acc_nodes.to(dev),
-            torch.tensor([len(nodes) for nodes in accepted], device=dev),
-            self.runner.cache.block_table([r.req_id for r in batch]),
-            backend=self.kernel_backend,
-            check_inputs=False,
-        )
-
-    def _accept_roots(
-        self,
-        batch: list[Request],
-        hidden: torch.Tensor,
-        logits: torch.Tensor,
-        paths: dict[int, tuple[list[int], list[int]]] | None,
-    ) -> list[StepOutput]:
-        """``_accept`` when every tree is its root alone (a plain decode step): the next
-        token is the root's bonus token, nothing to walk or compact."""
-        outs = []
-        for i, (r, t) in enumerate(zip(batch, self._sample_roots(batch, logits).tolist())):
-            if paths is not None:
-                paths[r.req_id] = ([0], [t])
-            r.depth.record(0, 0)
-            r.target_len += 1
-            if self.draft_runner is not None:
-                r.pending = r.pending + [t]
-                if self.draft_runner.eagle:
-                    f, old = hidden[i : i + 1], r.pending_feats
-                    r.pending_feats = f if old is None or not len(old) else torch.cat([old, f])
-            new = self._commit(r, [t])
-            outs.append(StepOutput(r.req_id, new, r.finished, r.finish_reason))
-        for r in [r for r in batch if r.finished]:
-            self._release(r)
-        return outs
-
-    def _sample_roots(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """The next token of every request from its root's logits ``[B, V]``: the
-        argmax, or a draw by the walk's own rule (``uniforms [1, 2]`` per request from
-        its generator, inverse CDF of the tempered top-p target distribution at
-        ``u[0, 1]``), so a root-only tree emits exactly what ``tree_walk`` would."""
-        out = torch.empty(len(batch), dtype=torch.int64)
-        greedy = [i for i, r in enumerate(batch) if r.mode == "greedy"]
-        if greedy:
-            out[greedy] = logits[greedy].argmax(-1).cpu()
-        rest = [i for i in range(len(batch)) if batch[i].mode != "greedy"]
-        if rest:
-            u = torch.cat([torch.rand(1, 2, generator=batch[i].generator) for i in rest])
-            p = target_probs(
-                logits[rest].float().cpu(),
-                torch.arange(len(rest)),
-                torch.tensor([batch[i].params.temperature for i in rest]),
-                1.0
-                if all(batch[i].params.top_p >= 1 for i in rest)
-                else torch.tensor([batch[i].params.top_p for i in rest]),
-            )
-            out[rest] = sample_inverse_cdf(p, u[:, 1])
-        return out
-
-    def _commit(self, req: Request, emitted: list[int]) -> list[int]:
-        """Append tokens up to the first stop condition; returns what was appended."""
-        new = []
-        for t in emitted:
-            new.append(t)
-            req.output.append(t)
-            if t in req.params.stop_token_ids or (t in self.eos_ids and not req.params.ignore_eos):
-                req.finished, req.finish_reason = True, "stop"
-                break
-            if len(req.output) >= req.params.max_tokens:
-                req.finished, req.finish_reason = True, "length"
-                break
-            if len(req.prompt) + len(req.output) >= self.max_model_len:
-                req.finished, req.finish_reason = True, "length"
-                break
-        return new

@@ -30,8 +30,8 @@ def _tree_batch(trees: tuple[TokenTree, ...], device: torch.device) -> TreeBatch
     return TreeBatch(list(trees), device=device)
 
 
-# one builder, two caches: the verify forward's (here) and the walk's (the engine's),
-# patched apart in tests
+# one builder, two caches: the verify forward's (here) and the walk's
+# (tree_dev.acceptance's), patched apart in tests
 _batch_of = lru_cache(maxsize=1024)(_tree_batch)
 
 

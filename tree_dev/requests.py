@@ -1,5 +1,6 @@
-"""The local engine's requests: sampling parameters, per-request state, and what a step
-reports (``StepOutput``, and ``StepEvent`` for ``Engine.on_step`` subscribers)."""
+"""The local engine's requests: sampling parameters, per-request state (with the commit
+of a step's tokens and the stop rules), and what a step reports (``StepOutput``; the
+core's ``StepEvent`` goes to ``Engine.on_step`` subscribers)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tree_dev.step import DepthStats, walk_mode
+from tree_dev.step import DepthStats, RequestStep, StepEvent, walk_mode
+
+__all__ = ["Request", "RequestStep", "SamplingParams", "StepEvent", "StepOutput"]
 
 
 @dataclass
@@ -81,6 +84,26 @@ class Request:
         """Per depth: steps that accepted a draft token there."""
         return self.depth.accepted
 
+    def commit(self, emitted: list[int], eos_ids: set[int], max_model_len: int) -> list[int]:
+        """Append ``emitted`` up to the first stop condition (a stop token, an EOS token of
+        ``eos_ids`` unless ``ignore_eos``: kept in the output, reason ``"stop"``;
+        ``max_tokens`` or ``max_model_len`` reached: ``"length"``); returns what was
+        appended."""
+        new = []
+        for t in emitted:
+            new.append(t)
+            self.output.append(t)
+            if t in self.params.stop_token_ids or (t in eos_ids and not self.params.ignore_eos):
+                self.finished, self.finish_reason = True, "stop"
+                break
+            if len(self.output) >= self.params.max_tokens:
+                self.finished, self.finish_reason = True, "length"
+                break
+            if len(self.prompt) + len(self.output) >= max_model_len:
+                self.finished, self.finish_reason = True, "length"
+                break
+        return new
+
     def stats(self) -> dict:
         """Speculative-decoding statistics of this request so far."""
         return {
@@ -99,27 +122,3 @@ class StepOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None
-
-
-@dataclass
-class RequestStep:
-    """One request in one verify step (``StepEvent``): the tree the target scored and the
-    path the walk accepted."""
-
-    req_id: int
-    prefix_len: int  # committed tokens cached before the root; the root's position
-    context: list[int]  # committed tokens, root last (len prefix_len + 1)
-    parents: list[int]  # [N] node parents (-1: the root)
-    tokens: list[int]  # [N] node tokens
-    max_depth: int  # the tree's depth (0: the root alone)
-    accepted: list[int] = field(default_factory=list)  # accepted node ids, root first
-    emitted: list[int] = field(default_factory=list)  # the walk's tokens: drafts + bonus
-
-
-@dataclass
-class StepEvent:
-    """What one ``Engine.step`` did, for subscribers (``Engine.on_step``): every request's
-    tree and accepted path, and the step's draft / verify / walk seconds."""
-
-    requests: list[RequestStep]
-    timings: dict[str, float]
