@@ -45,6 +45,8 @@ def bench_llm(cfg: dict[str, Any], env: dict[str, str] | None = None, **kw: Any)
     ``kw`` overrides or adds ``LLM`` arguments."""
     from vllm import LLM
 
+    from tree_dev.spec import TreeSettings
+
     args: dict[str, Any] = dict(
         model=str(TARGET),
         dtype="float32",
@@ -55,11 +57,9 @@ def bench_llm(cfg: dict[str, Any], env: dict[str, str] | None = None, **kw: Any)
     )
     if cfg.get("spec") is not None:
         args["speculative_config"] = dict(cfg["spec"])
-    if cfg.get("tree") is not None:
-        section: dict[str, Any] = {"tree": cfg["tree"]}
-        if cfg.get("draft_sampling"):
-            section["draft_sampling"] = True
-        args["additional_config"] = {"treespec": section}
+    if cfg.get("tree") is not None:  # the plugin's section, as TreeSettings writes it
+        settings = TreeSettings.parse(cfg["tree"], bool(cfg.get("draft_sampling")))
+        args["additional_config"] = {"treespec": settings.treespec_section()}
     args.update(kw)
     t0 = time.perf_counter()
     with environ(env):

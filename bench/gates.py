@@ -948,8 +948,8 @@ def stage_serve_vllm(ctx: Context, cfg: dict[str, Any]) -> tuple[list[Check], di
         flag = "--eagle-head" if scfg.drafter == "eagle" else "--draft-model"
         tree_argv += [flag, str(scfg.drafter_path)]
     elif scfg.drafter == "ngram" and not is_ngram(scfg.tree):  # vLLM's n-gram chain
-        sc = {"method": "ngram", "num_speculative_tokens": serve_config.draft_budget(scfg.tree)}
-        tree_argv = ["--speculative-config", json.dumps({**sc, **scfg.speculative_extra})]
+        sc = serve_config.vllm_speculative_config(scfg)
+        tree_argv = ["--speculative-config", json.dumps(sc)]
     ctx.log_dir.mkdir(parents=True, exist_ok=True)
     servers: dict[str, ServerProcess] = {}
     detail: dict[str, Any] = {"engine": "vllm", "tree": scfg.tree, "drafter": scfg.drafter}

@@ -96,24 +96,22 @@ def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> lis
         ("eagle", eagle_dir, "chain:4", True, True),
         ("eagle", eagle_dir, "chain:8", True, False),
     ]
-    from tree_dev.spec import parse_tree_spec
+    from tree_dev.spec import DRAFT_OF_VLLM_METHOD, TreeSettings
 
     for method, model, tree, sampled, in_quick in trees:
         if quick and not in_quick:
             continue
         if method != "ngram" and model is None:  # no such draft for this target
             continue
-        spec = {"method": method, "num_speculative_tokens": parse_tree_spec(tree).draft_budget}
-        if model is not None:
-            spec["model"] = model
+        settings = TreeSettings.parse(tree, sampled, draft=DRAFT_OF_VLLM_METHOD[method])
         out.append(
             {
                 "name": f"tree {method} {tree}" + (" sampled drafts" if sampled else ""),
-                "spec": spec,
+                "spec": settings.vllm_speculative_config(model),
                 "tree": tree,
                 "draft_sampling": sampled,
                 "method": method,
-                "budget": spec["num_speculative_tokens"],
+                "budget": settings.draft_budget,
             }
         )
     # the same EAGLE chain with every draft level through tree attention (the plugin's

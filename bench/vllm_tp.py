@@ -42,7 +42,11 @@ BIND = {1: "0-1", 2: "0|1"}
 
 def configs() -> list[dict]:
     """Engine configurations: name, speculative_config, tree spec (None: vLLM's own)."""
+    from tree_dev.spec import TreeSettings
+
     draft = str(CK / "draft")
+    topk = TreeSettings.parse("topk:k=2,depth=4,budget=8", draft="draft")
+    trie = TreeSettings.parse("ngram:budget=8")
     return [
         {"name": "vllm plain", "spec": None, "tree": None},
         {
@@ -51,15 +55,11 @@ def configs() -> list[dict]:
             "tree": None,
         },
         {
-            "name": "tree draft topk:k=2,depth=4,budget=8",
-            "spec": {"method": "draft_model", "model": draft, "num_speculative_tokens": 8},
-            "tree": "topk:k=2,depth=4,budget=8",
+            "name": f"tree draft {topk.spec}",
+            "spec": topk.vllm_speculative_config(draft),
+            "tree": topk.spec,
         },
-        {
-            "name": "tree ngram:budget=8",
-            "spec": {"method": "ngram", "num_speculative_tokens": 8},
-            "tree": "ngram:budget=8",
-        },
+        {"name": f"tree {trie.spec}", "spec": trie.vllm_speculative_config(), "tree": trie.spec},
     ]
 
 

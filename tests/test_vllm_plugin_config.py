@@ -50,7 +50,7 @@ def test_trie_takes_vllms_prompt_lookup_range_unless_the_spec_gives_one():
 @pytest.mark.parametrize(
     "section, sc, needle",
     [
-        ({"tree": "topk:k=2,depth=4,budget=8"}, spec(n=4), "num_speculative_tokens = 4"),
+        ({"tree": "topk:k=2,depth=4,budget=8"}, spec(n=4), "num_speculative_tokens=4"),
         ({"tree": "chain:3"}, spec(n=4), "has 3 draft nodes"),
         ({"tree": "bogus:3"}, spec(), "['tree']"),
         ({"tree": "topk:k=2,depth=x,budget=8"}, spec(), "depth=x"),
@@ -140,7 +140,7 @@ def test_engine_start_up_refuses_a_mismatch():
     from vllm import LLM
     from vllm_engines import DRAFT, TARGET
 
-    with pytest.raises(ValueError, match="num_speculative_tokens = 4"):
+    with pytest.raises(ValueError, match="num_speculative_tokens=4"):
         LLM(
             model=TARGET,
             max_model_len=512,

@@ -31,12 +31,16 @@
   forward, against 4.41 and 5.95 for the top-K tree alone).
 
 Every policy has ``max_nodes`` (root included) and ``draft_budget`` (draft nodes,
-``max_nodes - 1``).
+``max_nodes - 1``). ``TreeSettings`` is the one typed tree config built from a spec: the
+policy, what drafts it (``check_draft``: which draft runs which tree kind), draft sampling,
+and its vLLM ``speculative_config`` / plugin section.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import types
 from dataclasses import dataclass
 
 from tree_dev.tree import PRESETS, TokenTree
@@ -209,22 +213,140 @@ def _parse_hybrid(spec: str, arg: str) -> HybridPolicy:
     return HybridPolicy(topk, ngram, budget, spec, p)
 
 
+#: What drafts a tree (``TreeSettings.draft``): ``"ngram"`` the text itself (no model),
+#: ``"draft"`` a small causal LM, ``"eagle"`` an EAGLE head. None: no draft.
+DRAFT_KINDS = ("ngram", "draft", "eagle")
+#: The draft kinds that are models (they run top-K, hybrid and static trees).
+MODEL_DRAFTS = ("draft", "eagle")
+#: draft kind -> the vLLM speculative method that runs it.
+VLLM_METHOD = {"draft": "draft_model", "eagle": "eagle", "ngram": "ngram"}
+#: vLLM speculative method -> the draft kind it runs (the methods the tree plugin takes).
+DRAFT_OF_VLLM_METHOD = {method: kind for kind, method in VLLM_METHOD.items()}
+
+
+def draft_slots(policy: Policy) -> int:
+    """Draft KV slots a proposal needs past the root: one per draft node the draft forwards
+    (a leaf is never forwarded; the n-gram trie forwards none; a hybrid its top-K part).
+
+    >>> [draft_slots(parse_tree_spec(s)) for s in ("topk:k=2,depth=4,budget=8", "chain:4")]
+    [6, 3]
+    """
+    if isinstance(policy, HybridPolicy):  # the draft forwards the top-K part only
+        return draft_slots(policy.topk)
+    if isinstance(policy, TopKPolicy):
+        return policy.k * (policy.depth - 1)
+    if isinstance(policy, StaticPolicy):
+        tree = policy.tree
+        kids = tree.num_children.tolist()
+        return sum(1 for n in range(1, tree.num_nodes) if kids[n] > 0)
+    return 0
+
+
+def is_chain(policy: Policy) -> bool:
+    """Whether ``policy`` is a ``chain:K``: the one tree vLLM's own proposers run too."""
+    return isinstance(policy, StaticPolicy) and policy.spec.startswith("chain:")
+
+
+def check_draft(policy: Policy, draft: str | None, *, builtin_chains: bool = False) -> None:
+    """The one rule of which draft runs which tree kind; a ``ValueError`` names both.
+
+    - ``none``: no draft (``draft`` None);
+    - ``ngram:...``: ``"ngram"`` (the trie is drafted from the text itself, no model);
+    - ``topk``, ``hybrid``, ``chain``, ``paths``, ``medusa``: ``"draft"`` or ``"eagle"``.
+
+    ``builtin_chains``: vLLM's own proposers run a ``chain:K`` of top-ranked drafts (no
+    plugin), and vLLM's ``ngram`` method drafts such a chain too.
+
+    >>> check_draft(parse_tree_spec("ngram:budget=8"), "eagle")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: tree 'ngram:budget=8' is the n-gram trie, ... not 'eagle'
+    """
+    spec = policy.spec
+    if draft is not None and draft not in DRAFT_KINDS:
+        raise ValueError(
+            f"draft {draft!r} for tree {spec!r}: expected one of {DRAFT_KINDS} or None (no draft)"
+        )
+    if isinstance(policy, NoDraftPolicy):
+        if draft is not None:
+            raise ValueError(f"tree {spec!r} takes no draft, not {draft!r}")
+    elif isinstance(policy, NgramPolicy):
+        if draft != "ngram":
+            given = "none given" if draft is None else f"not {draft!r}"
+            raise ValueError(
+                f"tree {spec!r} is the n-gram trie, drafted from the text itself: its draft "
+                f"is 'ngram' (no model), {given}"
+            )
+    elif draft is None:
+        raise ValueError(
+            f"tree {spec!r} needs a draft (a draft model or an EAGLE head); none given"
+        )
+    elif draft == "ngram" and not (builtin_chains and is_chain(policy)):
+        where = " or, on vLLM's own proposer, chain:K" if builtin_chains else ""
+        raise ValueError(
+            f"tree {spec!r} needs a draft (a draft model or an EAGLE head), not 'ngram': an "
+            f"'ngram' draft runs the trie ngram:budget=N{where}"
+        )
+
+
 @dataclass(frozen=True)
 class TreeSettings:
-    """A tree and how its drafts are drawn: the one checked tree choice that every surface
-    builds (``Engine(tree=, draft_sampling=)``, the vLLM plugin's
-    ``additional_config["treespec"]``, ``serve.py``'s flags), so each rule lives once.
+    """The one typed tree config: the tree, what drafts it, and how its drafts are drawn.
 
+    Every surface builds it (``Engine(tree=, draft_sampling=)``, the vLLM plugin's
+    ``additional_config["treespec"]``, ``serve.py``'s flags, the benchmarks), so each rule
+    lives once: the draft-node budget and KV slots, which draft runs which tree
+    (``check_draft``), draft sampling's static tree, and the mapping onto vLLM's
+    ``speculative_config`` and the plugin's ``treespec`` section.
+
+    ``draft``: one of ``DRAFT_KINDS`` or None (no draft). ``parse`` without ``draft=`` does
+    not check it (the local ``Engine`` checks its own models): an n-gram trie then gets
+    ``"ngram"``, any other tree None, and the vLLM mapping refuses a model tree without one.
+
+    >>> s = TreeSettings.parse("topk:k=2,depth=4,budget=8", draft="eagle")
+    >>> s.draft_budget, s.draft_slots, s.uses_plugin
+    (8, 6, True)
+    >>> s.vllm_speculative_config("heads/eagle")
+    {'method': 'eagle', 'model': 'heads/eagle', 'num_speculative_tokens': 8}
+    >>> s.treespec_section()
+    {'tree': 'topk:k=2,depth=4,budget=8'}
     >>> TreeSettings.parse("chain:4", draft_sampling=True).policy.max_nodes
     5
+    >>> TreeSettings.parse("ngram:budget=8", draft="draft")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: draft: tree 'ngram:budget=8' is the n-gram trie, ... not 'draft'
     """
 
     policy: Policy
     draft_sampling: bool = False
+    draft: str | None = None
 
     @property
     def spec(self) -> str:
         return self.policy.spec
+
+    @property
+    def draft_budget(self) -> int:
+        """Draft nodes of the largest tree (the root not counted): vLLM's
+        ``num_speculative_tokens``."""
+        return self.policy.draft_budget
+
+    @property
+    def draft_slots(self) -> int:
+        """Draft KV slots a proposal needs past the root (``draft_slots``)."""
+        return draft_slots(self.policy)
+
+    @property
+    def uses_plugin(self) -> bool:
+        """Whether vLLM needs the tree plugin: every tree but ``none`` and a ``chain:K`` of
+        top-ranked drafts (vLLM's own proposers run those)."""
+        if isinstance(self.policy, NoDraftPolicy):
+            return False
+        return self.draft_sampling or not is_chain(self.policy)
+
+    @property
+    def vllm_method(self) -> str | None:
+        """vLLM's speculative method for the draft (None: no draft, or not said)."""
+        return VLLM_METHOD.get(self.draft)
 
     @classmethod
     def parse(
@@ -232,11 +354,17 @@ class TreeSettings:
         tree: str | Policy,
         draft_sampling: bool = False,
         *,
+        draft: str | None | types.EllipsisType = ...,
+        builtin_chains: bool = False,
         sampling_field: str = "draft_sampling",
+        draft_field: str = "draft",
     ) -> TreeSettings:
         """Parse (a spec string; a policy is taken as parsed) and check; a ``ValueError``
-        names the bad part (``sampling_field``: how the caller's surface spells the
-        draft-sampling switch, for its messages)."""
+        names the bad part.
+
+        ``draft``: what drafts the tree (``...``: not said, not checked); ``builtin_chains``:
+        see ``check_draft``. ``sampling_field`` / ``draft_field``: how the caller's surface
+        spells the draft-sampling switch and the draft, for its messages."""
         policy = parse_tree_spec(tree) if isinstance(tree, str) else tree
         if not isinstance(draft_sampling, bool):
             raise ValueError(f"{sampling_field} = {draft_sampling!r}; expected true or false")
@@ -245,7 +373,58 @@ class TreeSettings:
                 f"{sampling_field} needs a static tree (chain/paths/medusa), not {policy.spec!r}: "
                 "pruning a sampled dynamic tree would bias the accepted tokens"
             )
-        return cls(policy, draft_sampling)
+        if draft_sampling and draft == "ngram":
+            raise ValueError(
+                f"{sampling_field} needs a draft model or EAGLE head for {policy.spec!r}, not "
+                "the 'ngram' draft: an n-gram draft has no distribution"
+            )
+        if draft is ...:
+            draft = "ngram" if isinstance(policy, NgramPolicy) else None
+        else:
+            try:
+                check_draft(policy, draft, builtin_chains=builtin_chains)
+            except ValueError as e:
+                raise ValueError(f"{draft_field}: {e}") from None
+        return cls(policy, draft_sampling, draft)
+
+    def check_num_speculative_tokens(
+        self, n: object, *, field: str = "num_speculative_tokens", tree_field: str = "the tree"
+    ) -> None:
+        """vLLM's ``num_speculative_tokens`` must be the draft-node budget (vLLM sizes its
+        draft buffers by it; the plugin fills them with the tree's nodes); a ``ValueError``
+        names both (``field`` / ``tree_field``: the caller's names for them)."""
+        budget = self.draft_budget
+        if n != budget:
+            raise ValueError(
+                f"{field}={n} must equal the draft-node budget {budget} of {tree_field} "
+                f"{self.spec!r} (it has {budget} draft nodes, the root not counted)"
+            )
+
+    def vllm_speculative_config(self, model: str | os.PathLike | None = None) -> dict | None:
+        """vLLM's ``speculative_config``: the draft's method, ``model`` (the draft model or
+        EAGLE head's path) when given, ``num_speculative_tokens`` = the draft-node budget;
+        None for ``none``. A draft that cannot run the tree is a ``ValueError``."""
+        if isinstance(self.policy, NoDraftPolicy):
+            return None
+        check_draft(self.policy, self.draft, builtin_chains=not self.uses_plugin)
+        if self.draft == "ngram" and model is not None:
+            raise ValueError(f"the 'ngram' draft of {self.spec!r} takes no model, got {model!r}")
+        sc: dict = {"method": VLLM_METHOD[self.draft]}
+        if model is not None:
+            sc["model"] = os.fspath(model)
+        sc["num_speculative_tokens"] = self.draft_budget
+        return sc
+
+    def treespec_section(self) -> dict | None:
+        """The plugin's ``additional_config["treespec"]`` keys of this tree: ``tree``, and
+        ``draft_sampling`` when on; None for ``none``. (A ``chain:K`` of top-ranked drafts
+        runs without it on vLLM's own proposers: ``uses_plugin``.)"""
+        if isinstance(self.policy, NoDraftPolicy):
+            return None
+        section: dict = {"tree": self.spec}
+        if self.draft_sampling:
+            section["draft_sampling"] = True
+        return section
 
 
 def is_ngram(tree: Policy | str | None) -> bool:

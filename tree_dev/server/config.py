@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tree_dev.spec import is_ngram
+from tree_dev.spec import DRAFT_OF_VLLM_METHOD, TreeSettings, is_ngram
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_SET = REPO / "checkpoints" / "stdlib-v1"
@@ -45,10 +45,9 @@ VLLM_DEFAULT_DRAFT_TREE = "chain:4"
 #: no draft model, no EAGLE head) given no tree or draft flag, in both engines: the
 #: n-gram trie, which drafts from the text itself.
 PLAIN_MODEL_DEFAULT_TREE = VLLM_DEFAULT_POLICY[1]
-#: vLLM speculative methods -> the drafter kind they use.
-VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle", "draft_model": "draft", "ngram": "ngram"}
-#: drafter kind -> the vLLM method that runs it.
-VLLM_METHOD_OF = {"eagle": "eagle", "draft": "draft_model", "ngram": "ngram"}
+#: vLLM speculative methods -> the drafter kind they use (the core's, and ``eagle3``; a
+#: drafter kind maps back to its method through ``tree_dev.spec.VLLM_METHOD``).
+VLLM_METHODS = {**DRAFT_OF_VLLM_METHOD, "eagle3": "eagle"}
 SGLANG_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle", "STANDALONE": "draft", "NGRAM": "ngram"}
 #: ASGI middleware (an import path) that vLLM's server loads to describe the policy.
 VLLM_MODELS_MIDDLEWARE = "tree_dev.server.vllm_front.treespec_models"
@@ -266,8 +265,6 @@ def read_best_vllm_policy(path: Path) -> tuple[str | None, str, str, bool]:
     ratio to vLLM plain. A tree other than a chain needs the plugin. Raises ``ValueError``
     naming the file and what is wrong with it.
     """
-    from tree_dev.spec import parse_tree_spec
-
     try:
         doc = json.loads(Path(path).read_text())
         best = doc.get("best_policy")
@@ -278,10 +275,10 @@ def read_best_vllm_policy(path: Path) -> tuple[str | None, str, str, bool]:
             s = doc["summary"]["batch1 T=0.0"]
             key = "best_tree" if s["best_tree_ratio"] >= s["best_builtin_ratio"] else "best_builtin"
             method, spec, sampled = _vllm_e2e_name(s[key])
-        parse_tree_spec(spec)
+        settings = TreeSettings.parse(spec, sampled)
         if method is not None and method not in VLLM_METHODS:
             raise ValueError(f"unknown method {method!r}")
-        if not _is_chain(spec) and spec != "none" and not vllm_plugin_available():
+        if settings.uses_plugin and not vllm_plugin_available():
             raise ValueError(f"tree {spec!r} needs the tree plugin, which is not installed")
     except FileNotFoundError:
         raise ValueError(f"{path}: no such report (python -m bench.vllm_e2e writes one)") from None
@@ -329,17 +326,6 @@ def _vllm_e2e_name(name: str) -> tuple[str | None, str, bool]:
     if words[:1] == ["vllm"] and words[-1].startswith("k=") and not sampled:
         return words[1], f"chain:{int(words[-1][2:])}", False
     raise ValueError(f"unknown configuration name {name!r}")
-
-
-def _is_chain(spec: str) -> bool:
-    return spec.strip().startswith("chain:")
-
-
-def draft_budget(spec: str) -> int:
-    """Draft nodes of a tree spec (its root excluded): vLLM's ``num_speculative_tokens``."""
-    from tree_dev.spec import parse_tree_spec
-
-    return parse_tree_spec(spec).draft_budget
 
 
 def max_position_embeddings(model_dir: Path) -> int | None:
@@ -444,14 +430,14 @@ def _check_plugin_budget(flag: str, plugin_tree: str, k: int | None, tree_raw: A
             "--additional-config's treespec tree"
         )
     try:
-        budget = draft_budget(plugin_tree)
+        settings = TreeSettings.parse(plugin_tree)
     except ValueError as e:
         raise _FlagError(f"argument --additional-config: treespec tree: {e}") from None
-    if k is not None and k != budget:
-        raise _FlagError(
-            f"argument {flag}: num_speculative_tokens={k} must equal the draft-node "
-            f"budget {budget} of the --additional-config tree {plugin_tree!r}"
-        )
+    if k is not None:
+        try:
+            settings.check_num_speculative_tokens(k, tree_field="the --additional-config tree")
+        except ValueError as e:
+            raise _FlagError(f"argument {flag}: {e}") from None
 
 
 def _token_tree_spec(flag: str, tree_raw: Any, k: int | None) -> str:
@@ -796,37 +782,28 @@ def _model_set_defaults(
 
 
 def _check_policy(parser: argparse.ArgumentParser, engine: str, pol: _Policy) -> None:
-    """A tree the engine cannot run with its draft is an error naming the flag."""
-    from tree_dev.spec import TreeSettings
-
-    tree, drafter = pol.tree, pol.drafter
-    if tree != "none" and drafter is None:
-        parser.error(
-            f"argument {pol.tree_flag}: tree {tree!r} needs a draft (--draft-model or --eagle-head)"
+    """A tree the engine cannot run with its draft (``TreeSettings.parse``: the draft
+    sampling rules, ``check_draft``; vLLM runs a ``chain:K`` on its own proposers, the
+    local engine drafts n-grams as a trie) is an error naming the flag."""
+    kind = pol.drafter[0] if pol.drafter is not None else None
+    flag = (pol.drafter_flag if kind is not None else pol.tree_flag) or pol.source
+    try:
+        settings = TreeSettings.parse(
+            pol.tree,
+            pol.draft_sampling,
+            draft=kind,
+            builtin_chains=engine == "vllm",
+            sampling_field="argument --draft-sampling:",
+            draft_field=f"argument {flag}",
         )
-    if drafter is not None and drafter[0] == "ngram" and engine == "local" and not is_ngram(tree):
+    except ValueError as e:
+        parser.error(str(e))
+    if engine == "vllm" and settings.uses_plugin and not vllm_plugin_available():
         parser.error(
-            f"argument {pol.drafter_flag}: the local engine drafts n-grams as a trie: give "
-            f"--tree ngram:budget=N (not {tree!r})"
+            f"argument {pol.source}: tree {pol.tree!r} needs the project's vLLM tree plugin "
+            "(tree_dev.vllm_plugin), which is not installed here; vLLM alone runs "
+            "chain:K"
         )
-    if pol.draft_sampling:
-        try:
-            TreeSettings.parse(tree, True, sampling_field="argument --draft-sampling:")
-        except ValueError as e:
-            parser.error(str(e))
-        if drafter is None:
-            parser.error(
-                f"argument --draft-sampling: needs a draft model or EAGLE head for {tree!r}"
-            )
-        if drafter[0] == "ngram":
-            parser.error("argument --draft-sampling: an n-gram draft has no distribution")
-    if engine == "vllm" and tree != "none" and (not _is_chain(tree) or pol.draft_sampling):
-        if not vllm_plugin_available():
-            parser.error(
-                f"argument {pol.source}: tree {tree!r} needs the project's vLLM tree plugin "
-                "(tree_dev.vllm_plugin), which is not installed here; vLLM alone runs "
-                "chain:K"
-            )
 
 
 def _max_model_len(
@@ -870,28 +847,27 @@ def _has_tokenizer(path: Path) -> bool:
     return any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
-def vllm_speculative_config(cfg: ServeConfig) -> dict[str, Any] | None:
-    """vLLM's ``speculative_config`` for a config (None for ``tree == "none"``).
+def vllm_settings(cfg: ServeConfig) -> TreeSettings:
+    """The config's checked tree choice for vLLM (tree, drafter kind, draft sampling; a
+    ``chain:K`` of top-ranked drafts on vLLM's own proposers)."""
+    return TreeSettings.parse(cfg.tree, cfg.draft_sampling, draft=cfg.drafter, builtin_chains=True)
 
-    ``num_speculative_tokens`` is the tree's draft-node budget (the plugin's rule).
-    """
-    if cfg.tree == "none":
-        return None
-    sc: dict[str, Any] = {"method": VLLM_METHOD_OF[cfg.drafter]}
-    if cfg.drafter_path is not None:
-        sc["model"] = str(cfg.drafter_path)
-    sc["num_speculative_tokens"] = draft_budget(cfg.tree)
-    return {**sc, **cfg.speculative_extra}
+
+def vllm_speculative_config(cfg: ServeConfig) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for a config (None for ``tree == "none"``):
+    ``TreeSettings.vllm_speculative_config`` with the drafter's path, then the extra keys
+    of ``--speculative-config``."""
+    sc = vllm_settings(cfg).vllm_speculative_config(cfg.drafter_path)
+    return None if sc is None else {**sc, **cfg.speculative_extra}
 
 
 def vllm_additional_config(cfg: ServeConfig) -> dict[str, Any] | None:
     """vLLM's ``additional_config``: the plugin's ``treespec`` key for a tree (not a chain
     of top-ranked drafts, which vLLM's own proposers run)."""
     ac = dict(cfg.additional_extra)
-    if cfg.tree != "none" and (not _is_chain(cfg.tree) or cfg.draft_sampling):
-        ac["treespec"] = {"tree": cfg.tree}
-        if cfg.draft_sampling:
-            ac["treespec"]["draft_sampling"] = True
+    settings = vllm_settings(cfg)
+    if settings.uses_plugin:
+        ac["treespec"] = settings.treespec_section()
     return ac or None
 
 

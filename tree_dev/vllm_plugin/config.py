@@ -31,61 +31,74 @@ Every mistake is a ``ValueError`` naming the field, raised when vLLM builds its 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from tree_dev.spec import (
-    HybridPolicy,
+    DRAFT_OF_VLLM_METHOD,
+    MODEL_DRAFTS,
+    VLLM_METHOD,
     NoDraftPolicy,
     Policy,
-    StaticPolicy,
-    TopKPolicy,
     TreeSettings,
+    draft_slots,
     is_ngram,
     parse_tree_spec,
 )
 
 KEY = "treespec"
-MODEL_METHODS = ("draft_model", "eagle")
+MODEL_METHODS = tuple(VLLM_METHOD[kind] for kind in MODEL_DRAFTS)  # draft_model, eagle
 DEBUG_SWITCHES = ("mask", "positions", "compaction", "draft_mask")
 KERNEL_BACKENDS = ("auto", "torch", "reference", "triton")
 
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """The validated tree configuration of one engine."""
+    """The validated tree configuration of one engine: its ``TreeSettings`` (the tree, the
+    draft kind of vLLM's method, draft sampling) and the plugin's own switches.
 
-    spec: str
-    policy: Policy
-    method: str
-    num_draft_tokens: int
+    >>> cfg = TreeConfig(TreeSettings.parse("chain:4", draft="eagle"))
+    >>> cfg.method, cfg.num_draft_tokens, cfg.uses_draft_model
+    ('eagle', 4, True)
+    >>> cfg.with_policy(parse_tree_spec("chain:2")).spec
+    'chain:2'
+    """
+
+    settings: TreeSettings
     kernel_backend: str = "auto"
     debug_disable: str | None = None
     record_trees: int = 0
-    draft_sampling: bool = False
+
+    def with_policy(self, policy: Policy) -> TreeConfig:
+        """The same config with another tree of the same draft (``treespec_set_tree``)."""
+        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, policy=policy))
+
+    @property
+    def spec(self) -> str:
+        return self.settings.spec
+
+    @property
+    def policy(self) -> Policy:
+        return self.settings.policy
+
+    @property
+    def draft_sampling(self) -> bool:
+        return self.settings.draft_sampling
+
+    @property
+    def method(self) -> str:
+        """vLLM's speculative method: ``draft_model``, ``eagle`` or ``ngram``."""
+        return self.settings.vllm_method
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """The tree's draft-node budget (= vLLM's ``num_speculative_tokens``)."""
+        return self.settings.draft_budget
 
     @property
     def uses_draft_model(self) -> bool:
         return self.method in MODEL_METHODS
-
-
-def draft_budget(policy: Policy) -> int:
-    """Draft nodes of the largest tree ``policy`` proposes (the root not counted)."""
-    budget = getattr(policy, "draft_budget", None)
-    return int(budget) if budget is not None else policy.max_nodes - 1
-
-
-def draft_slots(policy: Policy) -> int:
-    """Draft KV slots a proposal needs past the root: one per draft node forwarded."""
-    if isinstance(policy, HybridPolicy):  # the draft forwards the top-K part only
-        return draft_slots(policy.topk)
-    if isinstance(policy, TopKPolicy):
-        return policy.k * (policy.depth - 1)
-    if isinstance(policy, StaticPolicy):
-        tree = policy.tree
-        kids = tree.num_children.tolist()
-        return sum(1 for n in range(1, tree.num_nodes) if kids[n] > 0)
-    return 0
 
 
 def lookahead_slots(section: dict, speculative_config: Any) -> int:
@@ -123,57 +136,55 @@ def parse(
     section: dict, speculative_config: Any, kv_cache_dtype: str = "auto", device: str = "cpu"
 ) -> TreeConfig:
     """Validate the ``treespec`` section against vLLM's speculative config."""
-    spec = section.get("tree")
-    settings = _settings(spec, section.get("draft_sampling", False))
-    policy, sampling = settings.policy, settings.draft_sampling
-    method = _method_for(policy, spec, speculative_config)
+    settings = _settings(section, speculative_config)
+    policy = settings.policy
     if is_ngram(policy) and not policy.range_given:
         policy = _with_lookup_range(policy, speculative_config)
-    budget = draft_budget(policy)
-    n = getattr(speculative_config, "num_speculative_tokens", None)
-    if n != budget:
-        raise ValueError(
-            f"speculative_config num_speculative_tokens = {n} but the tree {spec!r} has "
-            f"{budget} draft nodes: they must be equal"
-        )
-    backend = _kernel_backend(section, policy, spec, device)
+        settings = dataclasses.replace(settings, policy=policy)
+    settings.check_num_speculative_tokens(
+        getattr(speculative_config, "num_speculative_tokens", None),
+        field="speculative_config num_speculative_tokens",
+    )
+    backend = _kernel_backend(section, policy, settings.spec, device)
     debug, record = _options(section, kv_cache_dtype)
-    return TreeConfig(spec, policy, method, budget, backend, debug, record, sampling)
+    return TreeConfig(settings, backend, debug, record)
 
 
-def _settings(spec: Any, sampling: Any) -> TreeSettings:
-    """The ``tree`` key (a spec string other than ``none``) with ``draft_sampling``."""
-    key = "additional_config['treespec']"
+def _settings(section: dict, speculative_config: Any) -> TreeSettings:
+    """The ``tree`` key (a spec string other than ``none``) with ``draft_sampling``, drafted
+    by the kind of vLLM's method (``TreeSettings.parse`` checks that it runs the tree)."""
+    key = f"additional_config[{KEY!r}]"
+    spec = section.get("tree")
     if not isinstance(spec, str):
         raise ValueError(f"{key}['tree'] must be a tree spec string, got {spec!r}")
     try:
         policy = parse_tree_spec(spec)
     except ValueError as e:
         raise ValueError(f"{key}['tree']: {e}") from None
-    settings = TreeSettings.parse(policy, sampling, sampling_field=f"{key}['draft_sampling']")
-    if isinstance(settings.policy, NoDraftPolicy):
+    if isinstance(policy, NoDraftPolicy):
         raise ValueError(f"{key}['tree'] is 'none': drop speculative_config instead")
-    return settings
+    method = _method(spec, speculative_config)
+    return TreeSettings.parse(
+        policy,
+        section.get("draft_sampling", False),
+        draft=DRAFT_OF_VLLM_METHOD[method],
+        sampling_field=f"{key}['draft_sampling']",
+        draft_field=f"{key}['tree'] does not fit speculative_config method {method!r}",
+    )
 
 
-def _method_for(policy: Policy, spec: str, speculative_config: Any) -> str:
-    """vLLM's speculative method, checked to fit the tree kind."""
+def _method(spec: str, speculative_config: Any) -> str:
+    """vLLM's speculative method, one the plugin can draft trees with."""
     if speculative_config is None:
         raise ValueError(
             f"additional_config['treespec']['tree'] = {spec!r} needs a speculative_config "
             "(method draft_model, eagle or ngram, num_speculative_tokens = the tree's budget)"
         )
     method = getattr(speculative_config, "method", None)
-    if method not in (*MODEL_METHODS, "ngram"):
+    if method not in DRAFT_OF_VLLM_METHOD:
         raise ValueError(
             f"speculative_config method {method!r} cannot run trees; use draft_model, "
             "eagle or ngram with additional_config['treespec']['tree']"
-        )
-    if is_ngram(policy) != (method == "ngram"):
-        raise ValueError(
-            f"additional_config['treespec']['tree'] = {spec!r} does not fit speculative_config "
-            f"method {method!r}: ngram:... trees go with method 'ngram', model trees "
-            "(topk/chain/paths/medusa/hybrid) with 'draft_model' or 'eagle'"
         )
     return method
 
@@ -233,8 +244,6 @@ def _with_lookup_range(policy: Policy, speculative_config: Any) -> Policy:
     """An ``ngram:`` trie without ``min=``/``max=`` takes vLLM's ``prompt_lookup_min`` /
     ``prompt_lookup_max`` (the n-gram range of vLLM's own ``ngram`` method) where the
     user set them (not vLLM's fill-in ``VLLM_LOOKUP_FILL``)."""
-    import dataclasses
-
     lo = getattr(speculative_config, "prompt_lookup_min", None)
     hi = getattr(speculative_config, "prompt_lookup_max", None)
     if not lo or not hi or (lo, hi) == VLLM_LOOKUP_FILL:

@@ -92,8 +92,6 @@ def worker_set_tree(worker, spec: str) -> None:
     than the KV slots vLLM reserves for the start-up tree (``config.lookahead_slots``).
     One compiled engine then proves several tree kinds. Trees already proposed are
     verified as they are (any tree is exact); the next ones follow ``spec``."""
-    import dataclasses
-
     from tree_dev.vllm_plugin import config
 
     st = _tree_runner(worker, "treespec_set_tree")
@@ -107,7 +105,7 @@ def worker_set_tree(worker, spec: str) -> None:
             f"treespec_set_tree: {spec!r} forwards {needed} draft nodes past the root; the "
             f"engine reserved KV slots for {reserved} (its start-up tree {st.start_policy.spec!r})"
         )
-    st.cfg = dataclasses.replace(cur, spec=new.spec, policy=new.policy)
+    st.cfg = cur.with_policy(new.policy)
     st.proposer.history = NgramHistory(getattr(new.policy, "history", 0))
 
 
