@@ -1,0 +1,565 @@
+"""``tree: auto``'s decision core (``tree_dev.auto``): no models, no engines, no vLLM.
+
+Expected values are written out by hand or derived from a formula stated in the test.
+The acceptance formula used for synthetic requests: a request that accepts each depth with
+probability ``p`` given the depth before it (the tree reaching ``D`` levels) yields
+``E(p, D) = 1 + sum_{d=1..D} p**d`` tokens per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tree_dev import auto
+from tree_dev.auto import (
+    AcceptanceTracker,
+    AutoPolicy,
+    Candidate,
+    CostModel,
+    Shape,
+    cache_key,
+    cache_path,
+    choose,
+    default_shapes,
+    load_cost_model,
+    load_or_measure,
+    make_candidates,
+    measure,
+    policy_shape,
+    save_cost_model,
+    temperature_class,
+    tree_depth,
+)
+from tree_dev.proposer import TreeExpansion
+from tree_dev.spec import parse_tree_spec
+from tree_dev.step import GREEDY_TEMPERATURE, DepthStats
+
+BIG = "topk:k=4,depth=6,budget=32"
+CANDS = ["chain:2", "chain:4", BIG]
+# a GPU-like step: 10 ms fixed, 0.03 ms per verify row, 0.6 ms per draft level, 0.02 ms per
+# draft row. Per request (make_candidates' order, shapes from test_policy_shapes_by_hand):
+#   none    (1, 0, 0)   10.03 ms      chain:2 (3, 2, 2)  11.33 ms
+#   chain:4 (5, 4, 4)   12.63 ms      BIG     (33, 6, 21) 15.01 ms
+GPU = dict(a=0.010, b=0.00003, c=0.0006, d=0.00002)
+
+
+def E(p: float, depth: int) -> float:
+    return 1.0 + sum(p**d for d in range(1, depth + 1))
+
+
+def rows_for(p: float) -> list[float]:
+    """Expected tokens of [none, chain:2, chain:4, BIG] at acceptance ``p``."""
+    return [E(p, 0), E(p, 2), E(p, 4), E(p, 6)]
+
+
+def names(picks) -> list[str]:
+    return [c.name for c in picks]
+
+
+# --------------------------------------------------------------------------- shapes
+@pytest.mark.parametrize(
+    "spec, shape, depth",
+    [
+        ("none", (1, 0, 0), 0),
+        ("chain:4", (5, 4, 4), 4),  # levels: root, 1, 2, 3 forwarded; node 4 is a leaf
+        ("ngram:budget=8", (9, 0, 0), 8),
+        ("ngram:budget=8,depth=3", (9, 0, 0), 3),
+        # made: 4 + 5 * 4*4 = 84 candidates, 32 kept; forwarded: root + 4 per level 2..6
+        (BIG, (33, 6, 21), 6),
+        ("topk:k=2,depth=4,budget=8", (9, 4, 7), 4),  # spec.draft_slots says 6 (+ root)
+        ("topk:k=2,depth=2,budget=32", (7, 2, 3), 2),  # only 2 + 2*2 = 6 candidates exist
+        ("paths:[(0,),(1,),(0,0)]", (4, 2, 2), 2),  # root and node (0,) have children
+        # top-K part: 2 + 5*4 = 22 made, 16 kept with the trie; n-gram depth = its budget 16
+        ("hybrid:k=2,depth=6,budget=16", (17, 6, 11), 16),
+    ],
+)
+def test_policy_shapes_by_hand(spec, shape, depth):
+    policy = parse_tree_spec(spec)
+    assert policy_shape(policy) == Shape(*shape)
+    assert tree_depth(policy) == depth
+
+
+@pytest.mark.parametrize(
+    "spec", [BIG, "topk:k=2,depth=2,budget=32", "chain:4", "paths:[(0,),(1,),(0,0)]"]
+)
+def test_policy_shapes_match_the_proposer(spec):
+    """The draft levels / forwarded rows / kept nodes the real expansion has."""
+    import torch
+
+    policy = parse_tree_spec(spec)
+    ex = TreeExpansion(policy, 0)
+    gen = torch.Generator().manual_seed(0)
+    levels = rows = 0
+    while ex.frontier():
+        levels, rows = levels + 1, rows + len(ex.frontier())
+        ex.absorb(torch.log_softmax(torch.randn(len(ex.frontier()), 50, generator=gen), -1))
+    tree = ex.result()[0]
+    assert policy_shape(policy) == (tree.num_nodes, levels, rows)
+    assert tree.max_depth <= tree_depth(policy)  # a kept top-K tree may be shallower
+
+
+def test_make_candidates_orders_cheapest_first_and_adds_none():
+    cands = make_candidates([BIG, "chain:4+sampled", "chain:2", "chain:2"])
+    assert names(cands) == ["none", "chain:2", "chain:4+sampled", BIG]
+    assert cands[2].sampled_drafts and cands[2].policy.spec == "chain:4"
+    with pytest.raises(ValueError, match="suffix"):
+        make_candidates(["chain:2+greedy"])
+    with pytest.raises(ValueError, match="static"):
+        make_candidates([BIG + "+sampled"])
+
+
+def test_temperature_classes_follow_the_walk():
+    assert temperature_class(0.0) == "greedy"
+    assert temperature_class(GREEDY_TEMPERATURE / 2) == "greedy"
+    assert temperature_class(GREEDY_TEMPERATURE) == "sampled"
+    assert temperature_class(0.8) == "sampled"
+
+
+# --------------------------------------------------------------------------- cost model
+TRUE = dict(a=4e-3, b=1e-4, c=1.2e-3, d=5e-5)
+
+
+def fake_forward(noise: float, seed: int = 0):
+    """A run_step with a known cost (``TRUE``) times ``1 + noise * N(0, 1)`` on a fake clock."""
+    rng = np.random.default_rng(seed)
+    now = [0.0]
+    calls = []
+
+    def run_step(shape):
+        v, lv, r = shape
+        calls.append(shape)
+        cost = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r
+        now[0] += cost * (1 + noise * rng.standard_normal())
+
+    return run_step, (lambda: now[0]), calls
+
+
+def test_measure_recovers_known_coefficients_from_noisy_steps():
+    run_step, clock, calls = fake_forward(noise=0.03)
+    model = measure(run_step, default_shapes(), repeats=5, warmup=1, clock=clock)
+    assert len(calls) == len(default_shapes()) * (1 + 5)
+    for k, tol in (("a", 0.05), ("b", 0.05), ("c", 0.05), ("d", 0.15)):
+        assert getattr(model, k) == pytest.approx(TRUE[k], rel=tol), k
+    for v, lv, r in default_shapes():
+        true = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r
+        assert model.predict(Shape(v, lv, r)) == pytest.approx(true, rel=0.03)
+    assert model.samples == len(default_shapes()) and 0 < model.rel_rms < 0.03
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # seconds = 0.01 + 0.001 * verify_rows - 0.0001 * draft_rows: no least-squares fit with
+    # d >= 0 beats dropping d; the rest of the data is exactly a + b * verify_rows
+    samples = [
+        (Shape(v, lv, r), 0.01 + 0.001 * v - 0.0001 * r)
+        for v, lv, r in [(1, 0, 0), (8, 0, 0), (32, 0, 0), (1, 2, 8), (8, 2, 8), (32, 6, 32)]
+    ]
+    model = CostModel.fit(samples)
+    assert min(model.a, model.b, model.c, model.d) >= 0
+    assert model.d == 0
+    with pytest.raises(ValueError):
+        CostModel.fit([])
+    with pytest.raises(ValueError):
+        CostModel.fit([(Shape(1, 0, 0), 0.0)])
+
+
+def test_online_correction_moves_prediction_towards_measured():
+    m = CostModel(a=0.010, b=0.0, c=0.0, d=0.0, correction_decay=0.9, bounds=(0.5, 2.0))
+    shape = Shape(1, 0, 0)
+    assert m.predict(shape) == pytest.approx(0.010)
+    m.observe(shape, 0.015)  # (15) / (10)
+    assert m.correction == pytest.approx(1.5) and m.predict(shape) == pytest.approx(0.015)
+    m.observe(shape, 0.030)  # (0.9*15 + 30) / (0.9*10 + 10) = 43.5 / 19 > 2: clipped
+    assert m.correction == 2.0
+    before = abs(m.predict(shape) - 0.004)
+    m.observe(shape, 0.004)  # (0.9*43.5 + 4) / (0.9*19 + 10) = 43.15 / 27.1
+    assert m.correction == pytest.approx(43.15 / 27.1)
+    assert abs(m.predict(shape) - 0.004) < before
+    for _ in range(100):
+        m.observe(shape, 0.001)  # towards 0.1, clipped at 0.5
+    assert m.correction == 0.5
+    m.observe(shape, float("nan"))  # ignored
+    assert m.correction == 0.5
+
+
+def test_cost_model_json_round_trip_and_rejects():
+    m = CostModel(a=0.004, b=1e-4, c=0.0012, d=5e-5, samples=15, rel_rms=0.01)
+    back = CostModel.from_json(m.to_json())
+    assert (back.a, back.b, back.c, back.d, back.samples, back.rel_rms) == (
+        0.004,
+        1e-4,
+        0.0012,
+        5e-5,
+        15,
+        0.01,
+    )
+    for bad in ({"a": -1, "b": 0, "c": 0, "d": 0}, {"a": 0, "b": 0, "c": 0}, '{"a": NaN}'):
+        with pytest.raises(ValueError):
+            CostModel.from_json(bad if isinstance(bad, str) else json.dumps(bad))
+    with pytest.raises(ValueError):
+        CostModel.from_json({"a": True, "b": 0, "c": 0, "d": 0})
+
+
+KEY = {"model": "tiny", "machine": "cpu:test:2 cores", "torch": "2.x", "dtype": "float32"}
+
+
+def test_cache_round_trip_is_json_and_leaves_no_temporary(tmp_path):
+    m = CostModel(a=0.004, b=1e-4, c=0.0012, d=5e-5)
+    path = save_cost_model(tmp_path / "cache", KEY, m)
+    assert path == cache_path(tmp_path / "cache", KEY)
+    doc = json.loads(path.read_text())
+    assert doc["key"] == KEY and doc["model"]["b"] == 1e-4
+    back = load_cost_model(tmp_path / "cache", KEY)
+    assert (back.a, back.b, back.c, back.d) == (0.004, 1e-4, 0.0012, 5e-5)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]
+    assert load_cost_model(tmp_path / "nothing-here", KEY) is None
+
+
+def test_cache_write_is_atomic(tmp_path, monkeypatch):
+    old = CostModel(a=0.001, b=0.0, c=0.0, d=0.0)
+    path = save_cost_model(tmp_path, KEY, old)
+    before = path.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(auto.cost_model.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        save_cost_model(tmp_path, KEY, CostModel(a=0.002, b=0.0, c=0.0, d=0.0))
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the temporary is gone
+    monkeypatch.undo()
+    assert load_cost_model(tmp_path, KEY).a == 0.001
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"\x80\x04\x95pickle",  # a pickle is never unpickled: not UTF-8 JSON, ignored
+        b'{"format": "something else", "version": 1}',
+        b'{"format": "treespec.auto.cost_model", "version": 1, "key": KEY, "model": {}}',
+        b"[1, 2, 3]",
+    ],
+)
+def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, content):
+    content = content.replace(b"KEY", json.dumps(KEY).encode())
+    path = cache_path(tmp_path, KEY)
+    path.write_bytes(content)
+    with pytest.warns(RuntimeWarning, match="ignoring the cost-model cache"):
+        assert load_cost_model(tmp_path, KEY) is None
+
+
+def test_cache_of_another_machine_is_not_used(tmp_path):
+    save_cost_model(tmp_path, KEY, CostModel(a=0.001, b=0.0, c=0.0, d=0.0))
+    other = dict(KEY, machine="gpu:NVIDIA H200")
+    assert cache_path(tmp_path, other) != cache_path(tmp_path, KEY)
+    assert load_cost_model(tmp_path, other) is None  # its own file: none
+    # the other machine's file copied in under this key's name: read, refused
+    cache_path(tmp_path, other).write_bytes(cache_path(tmp_path, KEY).read_bytes())
+    with pytest.warns(RuntimeWarning, match="key"):
+        assert load_cost_model(tmp_path, other) is None
+
+
+def test_load_or_measure_measures_once(tmp_path):
+    run_step, clock, calls = fake_forward(noise=0.0)
+    shapes = [Shape(1, 0, 0), Shape(16, 2, 8), Shape(64, 6, 32), Shape(16, 0, 0)]
+    m1 = load_or_measure(tmp_path, KEY, run_step, shapes, repeats=2)
+    n = len(calls)
+    assert n == len(shapes) * 3
+    m2 = load_or_measure(tmp_path, KEY, run_step, shapes, repeats=2)
+    assert len(calls) == n and (m2.a, m2.b, m2.c, m2.d) == (m1.a, m1.b, m1.c, m1.d)
+
+
+def test_cache_key_names_model_machine_torch_dtype():
+    import torch
+
+    key = cache_key("tiny", torch.float32)
+    assert set(key) == {"model", "machine", "torch", "dtype"}
+    assert key["model"] == "tiny" and key["dtype"] == "torch.float32"
+    assert key["torch"] == torch.__version__ and key["machine"].startswith("cpu:")
+
+
+# --------------------------------------------------------------------------- acceptance
+def test_tracker_counts_are_depth_stats_counts():
+    """With decay 1 the own counts are exactly step.DepthStats' tried / accepted."""
+    t = AcceptanceTracker(decay=1.0)
+    ds = DepthStats()
+    for max_depth, acc in [(4, 4), (4, 0), (2, 1), (6, 3), (0, 0), (4, 2)]:
+        t.observe("r", "x", "greedy", max_depth, acc)
+        ds.record(max_depth, acc)
+    steps, tried, accepted = t.counts("r", "x", "greedy")
+    assert (steps, tried, accepted) == (ds.steps, ds.tried, ds.accepted)
+
+
+def test_expected_tokens_by_hand():
+    # decay 0.5, no prior: steps 0.5 + 1 = 1.5; accepted [0.5, 0.5, 0]
+    t = AcceptanceTracker(decay=0.5, prior_weight=0.0)
+    t.observe("r", "chain:3", "greedy", 3, 2)
+    t.observe("r", "chain:3", "greedy", 3, 0)
+    assert t.accept_probs("r", "chain:3", "greedy", 3) == pytest.approx([1 / 3, 1 / 3, 0])
+    assert t.expected_tokens("r", "chain:3", "greedy", 3) == pytest.approx(1 + 2 / 3)
+
+    # defaults: prior_weight 1, optimism 1 with weight 2. One step (depth 2, 1 accepted):
+    # prior = 2 pseudo-steps accepting both depths + the step: S = 3, A = [3, 2]
+    # -> q = [1, 2/3]; own s = 1, a = [1, 0] -> p = [(1 + 1)/2, (0 + 2/3)/2] = [1, 1/3]
+    t = AcceptanceTracker()
+    t.observe("r", "chain:2", "greedy", 2, 1)
+    assert t.accept_probs("r", "chain:2", "greedy", 2) == pytest.approx([1, 1 / 3])
+    assert t.expected_tokens("r", "chain:2", "greedy", 2) == pytest.approx(1 + 1 + 1 / 3)
+    # another request has no history: the prior alone
+    assert t.expected_tokens("s", "chain:2", "greedy", 2) == pytest.approx(1 + 1 + 2 / 3)
+    # nobody tried chain:4, nor anything sampled: optimism, the whole tree
+    assert t.expected_tokens("r", "chain:4", "greedy", 4) == 5.0
+    assert t.expected_tokens("r", "chain:2", "sampled", 2) == 3.0
+
+
+def test_forget_drops_a_request_but_keeps_the_prior():
+    t = AcceptanceTracker()
+    t.observe("r", "chain:2", "greedy", 2, 1)
+    t.forget("r")
+    assert t.counts("r", "chain:2", "greedy") == (0.0, [], [])
+    assert t.counts(None, "chain:2", "greedy")[0] == 3.0  # 2 pseudo-steps + 1
+    assert t.expected_tokens("r", "chain:2", "greedy", 2) == pytest.approx(1 + 1 + 2 / 3)
+
+
+steps_st = st.lists(
+    st.integers(0, 6).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))),
+    max_size=30,
+)
+
+
+@given(steps_st, st.integers(0, 8), st.booleans(), st.floats(0.3, 1.0))
+def test_expected_tokens_bounded_and_monotone_in_acceptance(steps, depth, probe, decay):
+    """1 <= E <= 1 + depth; P(length >= d) non-increasing; more accepted, never fewer."""
+    lo, hi = AcceptanceTracker(decay=decay), AcceptanceTracker(decay=decay)
+    for d, acc in steps:
+        lo.observe("r", "x", "greedy", d, acc // 2)  # the same trees, fewer accepted
+        hi.observe("r", "x", "greedy", d, acc)
+        lo.observe("other", "x", "greedy", d, acc // 2)
+        hi.observe("other", "x", "greedy", d, acc)
+        lo.end_step()
+        hi.end_step()
+    for t in (lo, hi):
+        p = t.accept_probs("r", "x", "greedy", depth, probe)
+        assert all(0 <= x <= 1 for x in p)
+        assert all(a >= b for a, b in zip(p, p[1:]))
+        assert 1.0 <= t.expected_tokens("r", "x", "greedy", depth, probe) <= 1.0 + depth
+    e_lo = lo.expected_tokens("r", "x", "greedy", depth, probe)
+    assert hi.expected_tokens("r", "x", "greedy", depth, probe) >= e_lo - 1e-12
+
+
+# --------------------------------------------------------------------------- choose
+def test_high_acceptance_greedy_request_gets_the_big_tree():
+    # p = 0.9: E = 1, 2.71, 4.0951, 5.217 tokens; per ms: 0.0997, 0.239, 0.324, 0.348
+    cands = make_candidates(CANDS)
+    assert names(choose([rows_for(0.9)], cands, CostModel(**GPU))) == [BIG]
+
+
+def test_collapsed_acceptance_gets_no_tree():
+    # p = 0.05: chain:2 yields 1.0525 tokens in 11.33 ms (0.0929/ms) < none's 1/10.03 ms
+    cands = make_candidates(CANDS)
+    assert names(choose([rows_for(0.05)], cands, CostModel(**GPU))) == ["none"]
+    # p = 0.2: chain:2 (1.24 tokens, 0.109/ms) beats none; chain:4 1.2496 / 12.63 does not
+    assert names(choose([rows_for(0.2)], cands, CostModel(**GPU))) == ["chain:2"]
+
+
+def test_a_large_batch_gets_smaller_trees_than_batch_one():
+    cands = make_candidates(CANDS)
+    one = choose([rows_for(0.9)], cands, CostModel(**GPU))
+    # 64 requests: the per-row costs add up. All BIG: 2112 verify + 1344 draft rows:
+    # 10 + 63.4 + 3.6 + 26.9 = 103.8 ms for 64 * 5.217 = 333.9 tokens (3.2/ms); all
+    # chain:4: 10 + 9.6 + 2.4 + 5.1 = 27.1 ms for 262.1 tokens (9.7/ms); all chain:2:
+    # 10 + 5.8 + 1.2 + 2.6 = 19.5 ms for 173.4 (8.9/ms)
+    many = choose([rows_for(0.9)] * 64, cands, CostModel(**GPU))
+    assert names(one) == [BIG]
+    assert set(names(many)) == {"chain:4"}
+    assert max(c.shape.verify_rows for c in many) < one[0].shape.verify_rows
+
+
+def test_greedy_and_sampled_requests_get_different_trees():
+    # a greedy request at p = 0.9 and a sampled one at p = 0.4 (E = 1, 1.56, 1.6496,
+    # 1.6637). BIG's 6 draft levels are paid for the greedy request anyway; the sampled
+    # one adds only rows: at ~0.4 tokens/ms, chain:4 gains 0.65 tokens for 0.23 ms of rows,
+    # BIG 0.66 for 1.41 ms
+    cands = make_candidates(CANDS)
+    picks = choose([rows_for(0.9), rows_for(0.4)], cands, CostModel(**GPU))
+    assert names(picks) == [BIG, "chain:4"]
+
+
+def test_ties_go_to_the_cheaper_tree_and_bad_input_is_refused():
+    cands = make_candidates(["chain:2"])  # none costs 1, chain:2 costs 2: E 2 ties
+    cost = CostModel(a=1.0, b=0.0, c=0.5, d=0.0)
+    assert names(choose([[1.0, 2.0]], cands, cost)) == ["none"]
+    assert names(choose([[1.0, 2.5]], cands, cost)) == ["chain:2"]
+    assert names(choose([[None, 2.0]], cands, cost)) == ["chain:2"]
+    assert choose([], cands, cost) == []
+    with pytest.raises(ValueError):
+        choose([[1.0]], cands, cost)
+    with pytest.raises(ValueError):
+        choose([[None, None]], cands, cost)
+
+
+def brute_force_rate(expected, cands, cost) -> float:
+    """max over every assignment of sum(tokens) / (a + b*V + c*max levels + d*R)."""
+    best = 0.0
+    for x in itertools.product(range(len(cands)), repeat=len(expected)):
+        if any(expected[i][j] is None for i, j in enumerate(x)):
+            continue
+        tokens = sum(expected[i][j] for i, j in enumerate(x))
+        sh = [cands[j].shape for j in x]
+        sec = (
+            cost.a
+            + cost.b * sum(s.verify_rows for s in sh)
+            + cost.c * max(s.draft_levels for s in sh)
+            + cost.d * sum(s.draft_rows for s in sh)
+        )
+        best = max(best, tokens / sec)
+    return best
+
+
+@given(
+    st.lists(st.lists(st.floats(0, 1), min_size=4, max_size=4), min_size=1, max_size=4),
+    st.tuples(*[st.floats(0, 0.01)] * 3),
+)
+def test_choose_is_the_exact_optimum(accepts, bcd):
+    """Against every assignment: ``choose`` finds the best batch rate."""
+    cands = make_candidates(CANDS)
+    # any yields in [1, 1 + depth]: candidate j's is 1 + depth_j * u_ij
+    expected = [[1 + c.depth * u for c, u in zip(cands, row)] for row in accepts]
+    cost = CostModel(0.01, *bcd)
+    picks = choose(expected, cands, cost)
+    idx = [cands.index(c) for c in picks]
+    tokens = sum(expected[i][j] for i, j in enumerate(idx))
+    rate = tokens / cost.raw(auto.batch_shape(c.shape for c in picks))
+    assert rate == pytest.approx(brute_force_rate(expected, cands, cost), rel=1e-9)
+
+
+# --------------------------------------------------------------------------- together
+def step_of(req_id, depth: int, accepted: int):
+    """A RequestStep-like record: a tree ``depth`` deep, ``accepted`` drafts accepted."""
+    return SimpleNamespace(req_id=req_id, max_depth=depth, accepted=list(range(accepted + 1)))
+
+
+# Collapse scenario: 4 ms fixed, 0.05 ms per verify row, 1.2 ms per draft level, 0.05 ms
+# per draft row. none 4.05 ms; chain:2 (3, 2, 2) 6.65 ms; chain:6 (7, 6, 6) 11.85 ms.
+# "Acceptance 0.9 per depth" (DepthStats' acceptance_per_depth): 9 steps in 10 accept the
+# whole tree, the 10th none. Then chain:6 yields 1 + 0.9 * 6 = 6.4 tokens (0.54/ms),
+# chain:2 2.8 (0.42/ms), none 1 (0.25/ms). Acceptance 0: every tree loses to none.
+COLLAPSE = dict(a=0.004, b=0.00005, c=0.0012, d=0.00005)
+
+
+def run_collapse():
+    policy = AutoPolicy(["chain:2", "chain:6"], CostModel(**COLLAPSE))
+    picks = []
+    for t in range(130):
+        good = t < 30 or t >= 70
+        pick = policy.choose([("r", 0.0)])["r"]
+        accepted = pick.depth if good and t % 10 != 9 else 0
+        policy.record([step_of("r", pick.depth, accepted)])
+        picks.append(pick.name)
+    return picks, policy
+
+
+def test_collapse_leaves_the_big_tree_and_returns_when_acceptance_recovers():
+    picks, policy = run_collapse()
+    every = policy.tracker.probe_every  # step t is the request's (t + 1)-th
+    probe = [(t + 1) % every == 0 for t in range(len(picks))]
+    assert picks[:30].count("chain:6") >= 27  # good phase: the big tree
+    # acceptance collapses at step 30; from step 38 on (8 steps) the big tree comes back
+    # only as a probe, and mostly nothing is drafted
+    assert all(picks[t] != "chain:6" or probe[t] for t in range(38, 70))
+    assert picks[38:70].count("none") >= 32 - 32 // every
+    # acceptance recovers at step 70: within two probe periods a tree again, for good
+    back = next(t for t in range(70, 130) if picks[t] != "none")
+    assert back < 70 + 2 * every
+    assert all(p == "chain:6" for p in picks[back + 1 :])
+    assert run_collapse()[0] == picks  # deterministic
+
+
+def test_untried_trees_are_discovered_and_stats_count_choices():
+    # nothing known: every tree reads optimism (E = 1 + depth): chain:2 3 tokens in
+    # 6.65 ms, chain:6 7 tokens in 11.85 ms -> chain:6 first; it always accepts nothing
+    policy = AutoPolicy(["chain:2", "chain:6"], CostModel(**COLLAPSE))
+    first = []
+    for _ in range(3):
+        pick = policy.choose([("r", 0.0)])["r"]
+        first.append(pick.name)
+        policy.record([step_of("r", pick.depth, 0)])
+    assert first[0] == "chain:6" and "chain:2" in first
+    stats = policy.stats.as_dict()
+    assert stats["steps"] == 3
+    assert sum(stats["choices"].values()) == 3
+    assert stats["choices_by_class"]["sampled"] == {}
+
+
+def test_greedy_and_sampled_requests_in_one_auto_batch():
+    # the greedy request accepts every tree whole, the sampled one nothing. The greedy
+    # request pays chain:6's 6 draft levels, so a tree costs the sampled one only its rows
+    # (0.25 ms for chain:2): it takes ~10 steps of evidence to drop it
+    policy = AutoPolicy(["chain:2", "chain:6"], CostModel(**COLLAPSE))
+    g_picks, s_picks = [], []
+    for _ in range(15):  # steps 1..15; step 16 would be a probe
+        picks = policy.choose([("g", 0.0), ("s", 0.8)])
+        g_picks.append(picks["g"].name)
+        s_picks.append(picks["s"].name)
+        policy.record(
+            [step_of("g", picks["g"].depth, picks["g"].depth), step_of("s", picks["s"].depth, 0)]
+        )
+    assert g_picks[2:] == ["chain:6"] * 13
+    assert s_picks[11:] == ["none"] * 4
+    by_class = policy.stats.as_dict()["choices_by_class"]
+    assert sum(by_class["greedy"].values()) == sum(by_class["sampled"].values()) == 15
+    assert by_class["greedy"]["chain:6"] >= 13 and by_class["sampled"]["none"] >= 4
+
+
+def test_sampled_draft_candidates_only_for_sampled_requests():
+    policy = AutoPolicy(["chain:4+sampled"], CostModel(a=0.01, b=0.0, c=0.0001, d=0.0))
+    picks = policy.choose([("g", 0.0), ("s", 0.8)])  # optimism: 5 tokens for 10.4 ms
+    assert (picks["g"].name, picks["s"].name) == ("none", "chain:4+sampled")
+
+
+def test_predicted_and_measured_step_seconds_in_the_stats():
+    policy = AutoPolicy(["chain:2"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0))
+    picks = policy.choose([("r", 0.0)])
+    assert picks["r"].name == "chain:2"  # optimism: 3 tokens in 12 ms
+    policy.record([step_of("r", 2, 2)], seconds=0.018)  # measured 1.5x the 12 ms predicted
+    stats = policy.stats.as_dict()
+    assert stats["last_predicted_s"] == pytest.approx(0.012)
+    assert stats["last_measured_s"] == pytest.approx(0.018)
+    assert stats["mean_abs_rel_error"] == pytest.approx(abs(0.012 / 0.018 - 1))
+    assert stats["correction"] == pytest.approx(1.5)
+    policy.choose([("r", 0.0)])
+    policy.record([step_of("r", 2, 2)], seconds=0.018)
+    assert policy.stats.as_dict()["last_predicted_s"] == pytest.approx(0.018)  # corrected
+    policy.choose([("r", 0.0)])
+    policy.record([step_of("unknown", 2, 2)])  # a request auto did not choose for: skipped
+    assert policy.tracker.counts("unknown", "chain:2", "greedy") == (0.0, [], [])
+
+
+def test_candidate_name_shape_depth():
+    c = Candidate(parse_tree_spec("chain:3"), sampled_drafts=True)
+    assert (c.name, c.shape, c.depth) == ("chain:3+sampled", (4, 3, 3), 3)
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    for module in (auto.shapes, auto.cost_model, auto.acceptance, auto.chooser):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_optimistic_start_covers_the_whole_tree():
+    # an n-gram trie that found no match (0 deep) first: the prior's 2 optimistic
+    # pseudo-steps still cover its 8 depths -> q_d = 2 / 3; own p_d = (0 + 2/3) / 2
+    t = AcceptanceTracker()
+    t.observe("r", "ngram:budget=8", "greedy", 0, 0, depth=8)
+    assert t.accept_probs("s", "ngram:budget=8", "greedy", 8) == pytest.approx([2 / 3] * 8)
+    assert t.accept_probs("r", "ngram:budget=8", "greedy", 8) == pytest.approx([1 / 3] * 8)

@@ -1,0 +1,76 @@
+"""``tree: "auto"``'s decision core: per step, per request, the tree that maximises the
+batch's expected tokens per second (issue 34). Engine-independent: no models, no engines.
+
+Four parts, each usable alone:
+
+1. **What a candidate costs** (``shapes``: ``policy_shape``, ``Candidate``): a policy's
+   verify rows, draft levels and draft rows, and its tree depth.
+2. **What a step costs** (``cost_model``: ``CostModel``): seconds = ``a + b*verify_rows
+   + c*draft_levels + d*draft_rows``, non-negative coefficients fitted by least squares on
+   steps timed at start-up (``measure``), cached as JSON per model and machine
+   (``load_cost_model`` / ``save_cost_model`` / ``load_or_measure``), corrected online by
+   a decayed, bounded ratio of measured to predicted seconds.
+3. **What a candidate yields** (``acceptance``: ``AcceptanceTracker``): per request, per
+   candidate, per temperature class (greedy / sampled), decayed per-depth acceptance
+   counts, blended with a shared prior per (candidate, class); expected tokens per step =
+   ``1 + sum_d P(accepted length >= d)``. Untried trees start optimistic, and every few
+   steps a request is offered a tree it has not run lately at an upper bound (a
+   deterministic probe), so acceptance that recovers is found again.
+4. **The choice** (``chooser``: ``choose``): per request, the candidate maximising the
+   batch's ``sum(expected tokens) / predicted step seconds``; ``AutoPolicy`` ties 2-4
+   together for an engine (choose before a step, record its ``RequestStep``s and seconds
+   after) and keeps ``AutoStats``.
+
+The choice only shapes trees: verification stays lossless whatever is chosen. It depends
+on the recorded steps and the cost model's coefficients only (no clock inside; the online
+correction scales every cost alike, so it never changes a choice): with a cached or given
+cost model, the same steps give the same choices.
+"""
+
+from tree_dev.auto.acceptance import AcceptanceTracker
+from tree_dev.auto.chooser import AutoPolicy, AutoStats, StepRecord, batch_shape, choose
+from tree_dev.auto.cost_model import (
+    CostModel,
+    cache_key,
+    cache_path,
+    default_shapes,
+    load_cost_model,
+    load_or_measure,
+    machine_fingerprint,
+    measure,
+    save_cost_model,
+)
+from tree_dev.auto.shapes import (
+    CLASSES,
+    Candidate,
+    Shape,
+    make_candidates,
+    policy_shape,
+    temperature_class,
+    tree_depth,
+)
+
+__all__ = [
+    "CLASSES",
+    "AcceptanceTracker",
+    "AutoPolicy",
+    "AutoStats",
+    "Candidate",
+    "CostModel",
+    "Shape",
+    "StepRecord",
+    "batch_shape",
+    "cache_key",
+    "cache_path",
+    "choose",
+    "default_shapes",
+    "load_cost_model",
+    "load_or_measure",
+    "machine_fingerprint",
+    "make_candidates",
+    "measure",
+    "policy_shape",
+    "save_cost_model",
+    "temperature_class",
+    "tree_depth",
+]

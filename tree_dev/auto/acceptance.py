@@ -1,0 +1,205 @@
+"""What a candidate yields: ``AcceptanceTracker``, decayed per-depth acceptance counts per
+request, candidate and temperature class, blended with a shared prior, with probes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tree_dev.auto.shapes import CLASSES
+
+
+@dataclass
+class _Counts:
+    """Decayed step counts of one (request or prior, candidate, class): ``steps``, and per
+    depth ``tried[d]`` (trees that reached depth ``d + 1``) / ``accepted[d]`` (steps that
+    accepted a token there), as ``step.DepthStats``; ``last``: the step of the last update."""
+
+    steps: float = 0.0
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    last: int = 0
+
+    def add(self, now: int, decay: float, max_depth: int, accepted: int) -> None:
+        """Record a step numbered ``now``; the first record of a step decays the counts."""
+        if now != self.last:
+            self.steps *= decay
+            self.tried = [t * decay for t in self.tried]
+            self.accepted = [a * decay for a in self.accepted]
+            self.last = now
+        grow = max_depth - len(self.tried)
+        self.tried += [0.0] * grow
+        self.accepted += [0.0] * grow
+        self.steps += 1.0
+        for d in range(max_depth):
+            self.tried[d] += 1.0
+            self.accepted[d] += float(d < accepted)
+
+    def rate(self, d: int, weight: float, base: float, scale: float = 1.0) -> float:
+        """``(accepted[d] * scale + weight * base) / (steps * scale + weight)`` (``base``
+        when both are 0)."""
+        acc = self.accepted[d] if d < len(self.accepted) else 0.0
+        den = self.steps * scale + weight
+        return (acc * scale + weight * base) / den if den > 0 else base
+
+
+class AcceptanceTracker:
+    """Per request, per candidate, per temperature class: how many tokens a step yields.
+
+    Counts (``_Counts``) are kept per (request, candidate, class) and, as a shared prior,
+    per (candidate, class) over all requests. Before a step's record, the counts it
+    updates are multiplied by ``decay`` (0.8; a request's own once per its step, the prior
+    once per engine step): recent steps weigh most, about ``1 / (1 - decay)`` steps' worth.
+    A prior starts with ``optimism_weight`` (2) pseudo-steps that accepted its whole tree at
+    rate ``optimism`` (1.0), which decay away like any step.
+
+    The estimate of ``P(accepted length >= d)``, ``d = 1..depth``:
+
+    - prior ``q_d = A_d / S`` (the prior's accepted-at-depth-``d`` and step counts);
+      ``optimism`` while no request of the class has tried the candidate;
+    - ``p_d = (a_d + w * q_d) / (s + w)``, ``a_d`` / ``s`` the request's own counts and
+      ``w = prior_weight`` (1) pseudo-steps of prior; then made non-increasing in ``d``.
+
+    ``accepted_d / steps`` = reach x accept: ``tried_d / steps`` (how often the tree got
+    that deep: an n-gram trie often does not) times ``accepted_d / tried_d``.
+
+    Exploration, deterministic (a request's own counts of a tree it does not run stay as
+    they were): every ``probe_every``-th step of a request (8; 0: never), the
+    candidate it has gone longest without using or being offered (never first, then the
+    candidates' order) is offered at an upper bound (``probe=True``): its own counts
+    scaled by ``fade ** n`` (0.9; ``n`` the request's steps since it last ran it) and one
+    more pseudo-step that accepted the whole tree. ``choose`` takes it if that would pay:
+    a tree left long ago, or after few steps, is re-tried (its acceptance may have
+    recovered, or it was unlucky); one clearly too costly is not. When a request runs a
+    tree again after ``n`` steps without it, its own counts are scaled by ``fade ** n``
+    before the step is added (old evidence gives way to new; until then an estimate
+    stays where its last step left it).
+
+    >>> t = AcceptanceTracker(decay=0.5, prior_weight=0.0)
+    >>> t.observe("r", "chain:3", "greedy", max_depth=3, accepted=2)
+    >>> t.observe("r", "chain:3", "greedy", max_depth=3, accepted=0)
+    >>> round(t.expected_tokens("r", "chain:3", "greedy", depth=3), 4)  # 1 + 1/3 + 1/3 + 0
+    1.6667
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.8,
+        prior_weight: float = 1.0,
+        optimism: float = 1.0,
+        optimism_weight: float = 2.0,
+        probe_every: int = 8,
+        fade: float = 0.9,
+    ):
+        if not (0 < decay <= 1 and 0 < fade <= 1 and 0 <= optimism <= 1):
+            raise ValueError("decay and fade must be in (0, 1], optimism in [0, 1]")
+        if prior_weight < 0 or optimism_weight < 0 or probe_every < 0:
+            raise ValueError("prior_weight, optimism_weight and probe_every must be >= 0")
+        self.decay, self.prior_weight, self.fade = decay, prior_weight, fade
+        self.optimism, self.optimism_weight = optimism, optimism_weight
+        self.probe_every = probe_every
+        self._own: dict[tuple[object, str, str], _Counts] = {}
+        self._prior: dict[tuple[str, str], _Counts] = {}
+        self._offered: dict[tuple[object, str, str], int] = {}  # request step of an offer
+        self._req_steps: dict[object, int] = {}
+        self._steps = 0  # engine steps ended (end_step)
+        self._q: dict[tuple[str, str, int], list[float]] = {}  # prior rates, until observe
+
+    def observe(
+        self,
+        req_id: object,
+        name: str,
+        cls: str,
+        max_depth: int,
+        accepted: int,
+        depth: int | None = None,
+    ) -> None:
+        """One step of ``req_id`` under candidate ``name`` in class ``cls``: a tree
+        ``max_depth`` deep of which ``accepted`` drafts were accepted. One call per request
+        per engine step, then ``end_step()``. ``depth``: the deepest the candidate's tree
+        can be (``tree_depth``), for the prior's optimistic start (else ``max_depth``: an
+        n-gram trie that found no match is 0 deep)."""
+        if cls not in CLASSES:
+            raise ValueError(f"temperature class {cls!r}: expected one of {CLASSES}")
+        max_depth = max(int(max_depth), 0)
+        accepted = min(max(int(accepted), 0), max_depth)
+        now = self._req_steps.get(req_id, 0) + 1
+        self._req_steps[req_id] = now
+        own = self._own.get((req_id, name, cls))
+        if own is None:
+            own = self._own[req_id, name, cls] = _Counts()
+        stale = self.fade ** max(now - own.last - 1, 0)  # as offered at a probe
+        own.add(now, self.decay * stale, max_depth, accepted)
+        prior = self._prior.get((name, cls))
+        if prior is None:  # optimistic start: pseudo-steps that decay away
+            w0, opt, n = self.optimism_weight, self.optimism, max(max_depth, depth or 0)
+            prior = _Counts(w0, [w0] * n, [w0 * opt] * n, self._steps + 1)
+            self._prior[name, cls] = prior
+        prior.add(self._steps + 1, self.decay, max_depth, accepted)
+        self._q.clear()
+
+    def end_step(self) -> None:
+        """The engine step is over (the priors' step clock)."""
+        self._steps += 1
+
+    def counts(
+        self, req_id: object | None, name: str, cls: str
+    ) -> tuple[float, list[float], list[float]]:
+        """The decayed ``(steps, tried, accepted)`` of a request's own counts (``req_id``
+        None: the prior's, pseudo-steps included), as they stand after its last update."""
+        c = self._prior.get((name, cls)) if req_id is None else self._own.get((req_id, name, cls))
+        return (c.steps, list(c.tried), list(c.accepted)) if c is not None else (0.0, [], [])
+
+    def forget(self, req_id: object) -> None:
+        """Drop a finished request's own counts (the prior keeps what it taught)."""
+        self._req_steps.pop(req_id, None)
+        for table in (self._own, self._offered):
+            for k in [k for k in table if k[0] == req_id]:
+                del table[k]
+
+    def accept_probs(
+        self, req_id: object, name: str, cls: str, depth: int, probe: bool = False
+    ) -> list[float]:
+        """``P(accepted length >= d)`` for ``d = 1..depth``, non-increasing, in [0, 1];
+        ``probe``: the upper bound a probe is offered at (see the class)."""
+        prior, own = self._prior.get((name, cls)), self._own.get((req_id, name, cls))
+        opt, w = self.optimism, self.prior_weight
+        scale = 1.0
+        if probe and own is not None:
+            scale = self.fade ** (self._req_steps.get(req_id, 0) - own.last)
+        qs = self._q.get((name, cls, depth))
+        if qs is None:
+            qs = [opt if prior is None else prior.rate(d, 0.0, opt) for d in range(depth)]
+            self._q[name, cls, depth] = qs
+        out, low = [], 1.0
+        for d, q in enumerate(qs):
+            p = q if own is None else own.rate(d, w, q, scale)
+            if probe:  # one more pseudo-step that accepted the whole tree
+                s = (own.steps * scale if own is not None else 0.0) + w
+                p = (p * s + opt) / (s + 1.0)
+            low = min(low, max(0.0, p))
+            out.append(low)
+        return out
+
+    def expected_tokens(
+        self, req_id: object, name: str, cls: str, depth: int, probe: bool = False
+    ) -> float:
+        """Tokens a step of candidate ``name`` (a tree ``depth`` deep) emits for ``req_id``:
+        ``1 + sum(accept_probs)``, in ``[1, 1 + depth]``."""
+        return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe))
+
+    def probe(self, req_id: object, cls: str, names: Sequence[str]) -> str | None:
+        """The candidate among ``names`` (drafting ones, in the candidates' order) offered
+        to ``req_id``'s next step as a probe (and marked offered), or None: not a probe
+        step (see the class)."""
+        n = self._req_steps.get(req_id, 0) + 1
+        if not names or not self.probe_every or n % self.probe_every:
+            return None
+
+        def last(name: str) -> int:
+            own = self._own.get((req_id, name, cls))
+            return max(-1 if own is None else own.last, self._offered.get((req_id, name, cls), -1))
+
+        name = min(names, key=last)  # min() keeps the first of equals
+        self._offered[req_id, name, cls] = n
+        return name

@@ -1,0 +1,227 @@
+"""The choice: per request, the candidate maximising the batch's expected tokens per second
+(``choose``); ``AutoPolicy`` runs it for an engine step by step and keeps ``AutoStats``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from tree_dev.auto.acceptance import AcceptanceTracker
+from tree_dev.auto.cost_model import CostModel
+from tree_dev.auto.shapes import (
+    CLASSES,
+    Candidate,
+    Shape,
+    make_candidates,
+    temperature_class,
+)
+from tree_dev.spec import Policy
+
+
+def batch_shape(shapes: Iterable[Shape]) -> Shape:
+    """A batch step's shape: verify and draft rows add up; draft levels are the deepest
+    request's (each level is one packed draft forward over every request still growing)."""
+    v = lv = r = 0
+    for s in shapes:
+        v, lv, r = v + s.verify_rows, max(lv, s.draft_levels), r + s.draft_rows
+    return Shape(v, lv, r)
+
+
+def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) -> np.ndarray:
+    """Dinkelbach on ``sum(e[i, x_i]) / cost(sum rows, cap)``: repeat ``x = argmax_x
+    sum(e) - lam * cost``, separable per request, with ``lam`` the last ratio, until no
+    choice improves on ``lam`` (finite: ``lam`` grows strictly). Ties: the first column."""
+    per_row = cost.b * rows[:, 0] + cost.d * rows[:, 1]  # per-candidate cost, less a and c
+    fixed = cost.a + cost.c * cap
+    x = np.argmax(e, axis=1)  # lam = 0: most tokens
+    for _ in range(100):
+        tokens = float(e[np.arange(len(e)), x].sum())
+        lam = tokens / max(fixed + float(per_row[x].sum()), 1e-30)
+        score = e - lam * per_row[None, :]
+        nxt = np.argmax(score, axis=1)
+        gain = float(score[np.arange(len(e)), nxt].sum()) - lam * fixed
+        if gain <= 1e-12 * max(tokens, 1.0) or np.array_equal(nxt, x):
+            break
+        x = nxt
+    return x
+
+
+def choose(
+    expected: Sequence[Sequence[float | None]],
+    candidates: Sequence[Candidate],
+    cost_model: CostModel,
+) -> list[Candidate]:
+    """Per request, the candidate maximising the batch's expected tokens per second.
+
+    ``expected[i][j]``: tokens a step of ``candidates[j]`` yields for request ``i`` (None:
+    not allowed for it). Objective: ``sum_i expected[i][x_i] / cost(batch_shape)``. Exact:
+    for every cap ``L`` on draft levels (the candidates' distinct ones), Dinkelbach's
+    iteration (``_best_under_cap``) solves the ratio, which is then scored at its true
+    deepest level; the best cap wins (ties: the smaller cap, then the earlier candidate:
+    with ``make_candidates``' order, the cheaper tree).
+
+    >>> cands = make_candidates(["chain:4"])  # [none, chain:4]
+    >>> cost = CostModel(a=0.010, b=0.0, c=0.002, d=0.0)  # chain:4: 18 ms vs 10 ms
+    >>> [c.name for c in choose([[1.0, 3.5], [1.0, 1.2]], cands, cost)]
+    ['chain:4', 'chain:4']
+    >>> [c.name for c in choose([[1.0, 1.5], [1.0, 1.2]], cands, cost)]
+    ['none', 'none']
+    """
+    if not expected:
+        return []
+    e = np.array([[-np.inf if v is None else float(v) for v in row] for row in expected])
+    if e.shape[1] != len(candidates) or not np.all(np.isfinite(e).any(axis=1)):
+        raise ValueError("choose: each request needs one value per candidate, one not None")
+    shapes = [c.shape for c in candidates]
+    rows = np.array([[s.verify_rows, s.draft_rows] for s in shapes], dtype=float)
+    levels = np.array([s.draft_levels for s in shapes])
+    best, best_rate = None, -1.0
+    for cap in sorted(set(levels.tolist())):
+        ec = np.where(levels[None, :] <= cap, e, -np.inf)
+        if not np.all(np.isfinite(ec).any(axis=1)):
+            continue
+        x = _best_under_cap(ec, rows, cost_model, cap)
+        tokens = float(e[np.arange(len(e)), x].sum())
+        rate = tokens / max(cost_model.raw(batch_shape(shapes[j] for j in x)), 1e-30)
+        if rate > best_rate * (1 + 1e-12):
+            best, best_rate = x, rate
+    return [candidates[j] for j in best]
+
+
+@dataclass
+class AutoStats:
+    """What ``tree: auto`` chose and how well it predicted (``as_dict`` for /metrics)."""
+
+    steps: int = 0
+    choices: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {c: {} for c in CLASSES}
+    )  # class -> candidate name -> requests-steps
+    measured_steps: int = 0
+    predicted_s: float = 0.0  # summed over measured steps
+    measured_s: float = 0.0
+    abs_rel_error: float = 0.0  # summed |predicted / measured - 1|
+    last_predicted_s: float = 0.0
+    last_measured_s: float = 0.0
+    correction: float = 1.0
+
+    def count(self, cls: str, name: str) -> None:
+        self.choices[cls][name] = self.choices[cls].get(name, 0) + 1
+
+    def measured(self, predicted: float, measured: float) -> None:
+        self.measured_steps += 1
+        self.predicted_s += predicted
+        self.measured_s += measured
+        self.abs_rel_error += abs(predicted / measured - 1) if measured > 0 else 0.0
+        self.last_predicted_s, self.last_measured_s = predicted, measured
+
+    def as_dict(self) -> dict[str, Any]:
+        n = max(self.measured_steps, 1)
+        total: dict[str, int] = {}
+        for per in self.choices.values():
+            for name, k in per.items():
+                total[name] = total.get(name, 0) + k
+        return {
+            "steps": self.steps,
+            "choices": dict(sorted(total.items())),
+            "choices_by_class": {c: dict(sorted(v.items())) for c, v in self.choices.items()},
+            "measured_steps": self.measured_steps,
+            "mean_predicted_s": self.predicted_s / n,
+            "mean_measured_s": self.measured_s / n,
+            "mean_abs_rel_error": self.abs_rel_error / n,
+            "last_predicted_s": self.last_predicted_s,
+            "last_measured_s": self.last_measured_s,
+            "correction": self.correction,
+        }
+
+
+class StepRecord(Protocol):
+    """What ``AutoPolicy.record`` reads of a ``step.RequestStep``."""
+
+    req_id: Any
+    max_depth: int
+    accepted: list[int]  # accepted node ids, the root first
+
+
+class AutoPolicy:
+    """``tree: auto`` for one engine: ``choose`` before a step, ``record`` after it.
+
+    >>> from tree_dev.step import RequestStep
+    >>> auto = AutoPolicy(["chain:2", "chain:6"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0))
+    >>> picks = []
+    >>> for _ in range(10):  # greedy; nothing is ever accepted
+    ...     pick = auto.choose([("r", 0.0)])["r"]
+    ...     picks.append(pick.name)
+    ...     d = pick.depth  # the tree: a chain d deep; accepted: the root alone
+    ...     auto.record([RequestStep("r", 0, [0], [-1, *range(d)], [0] * (d + 1), d, [0])])
+    >>> " ".join(picks)  # optimism first (the deepest tree), then less as evidence comes in
+    'chain:6 chain:2 chain:6 chain:2 chain:6 chain:2 chain:6 chain:2 none none'
+    >>> auto.stats.as_dict()["choices"]
+    {'chain:2': 4, 'chain:6': 4, 'none': 2}
+    """
+
+    def __init__(
+        self,
+        candidates: Iterable[str | Policy | Candidate],
+        cost_model: CostModel,
+        tracker: AcceptanceTracker | None = None,
+    ):
+        self.candidates = make_candidates(candidates)
+        self.cost_model = cost_model
+        self.tracker = tracker if tracker is not None else AcceptanceTracker()
+        self.stats = AutoStats()
+        self._pending: dict[Any, tuple[Candidate, str]] = {}
+        self._shape = Shape(0, 0, 0)
+        self._predicted = 0.0
+
+    def expected_row(self, req_id: Any, cls: str) -> list[float | None]:
+        """Expected tokens of every candidate for ``req_id`` (None: not for its class; the
+        candidate this step offers as a probe, if any, at its upper bound)."""
+        allowed = [not (c.sampled_drafts and cls == "greedy") for c in self.candidates]
+        drafting = [c.name for c, ok in zip(self.candidates, allowed) if ok and c.depth > 0]
+        probe = self.tracker.probe(req_id, cls, drafting)
+        row: list[float | None] = []
+        for c, ok in zip(self.candidates, allowed):
+            if not ok:
+                row.append(None)
+            else:
+                tokens = self.tracker.expected_tokens(req_id, c.name, cls, c.depth, c.name == probe)
+                row.append(tokens)
+        return row
+
+    def choose(self, requests: Sequence[tuple[Any, float]]) -> dict[Any, Candidate]:
+        """``[(req_id, temperature), ...]`` -> per request its candidate for this step."""
+        classes = [temperature_class(t) for _, t in requests]
+        expected = [self.expected_row(rid, cls) for (rid, _), cls in zip(requests, classes)]
+        picks = choose(expected, self.candidates, self.cost_model)
+        self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
+        self._shape = batch_shape(c.shape for c in picks)
+        self._predicted = self.cost_model.predict(self._shape) if picks else 0.0
+        for c, cls in zip(picks, classes):
+            self.stats.count(cls, c.name)
+        return {rid: c for (rid, _), c in zip(requests, picks)}
+
+    def record(self, steps: Iterable[StepRecord], seconds: float | None = None) -> None:
+        """The step's ``RequestStep``s (requests not chosen for are skipped) and, when
+        measured, its seconds: the acceptance counts, the cost correction and the stats."""
+        for s in steps:
+            pick = self._pending.pop(s.req_id, None)
+            if pick is None:
+                continue
+            cand, cls = pick
+            accepted = len(s.accepted) - 1  # the root is not a draft
+            self.tracker.observe(s.req_id, cand.name, cls, s.max_depth, accepted, cand.depth)
+        self._pending = {}
+        self.tracker.end_step()
+        self.stats.steps += 1
+        if seconds is not None and self._shape.verify_rows > 0:
+            self.stats.measured(self._predicted, seconds)
+            self.cost_model.observe(self._shape, seconds)
+            self.stats.correction = self.cost_model.correction
+
+    def forget(self, req_id: Any) -> None:
+        """A request finished."""
+        self.tracker.forget(req_id)
+        self._pending.pop(req_id, None)

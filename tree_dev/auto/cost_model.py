@@ -1,0 +1,255 @@
+"""What a step costs: ``CostModel`` (seconds from a step's ``Shape``, fitted at start-up by
+``measure``, corrected online) and its JSON cache per model and machine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tree_dev.auto.shapes import Shape
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a few columns, exactly: the unconstrained fit on every
+    subset of columns, the best one whose coefficients are all >= 0 (the NNLS optimum is the
+    unconstrained fit on its own support). Deterministic; no scipy needed."""
+    n = x.shape[1]
+    best, best_res = np.zeros(n), float(np.sum(y * y))
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+        if np.any(coef < 0):
+            continue
+        res = float(np.sum((x[:, cols] @ coef - y) ** 2))
+        if res < best_res * (1 - 1e-12):
+            best, best_res = np.zeros(n), res
+            best[cols] = coef
+    return best
+
+
+@dataclass
+class CostModel:
+    """Step seconds = ``correction * (a + b*verify_rows + c*draft_levels + d*draft_rows)``.
+
+    ``a..d`` >= 0 (seconds, seconds per row / level), fitted by ``fit``; ``correction``
+    follows the measured steps (``observe``): ``sum(decay^i * measured_i) / sum(decay^i *
+    raw_i)`` over past steps, clipped to ``bounds``. A uniform factor: it never changes
+    which trees win, only the predicted seconds.
+
+    >>> m = CostModel(a=0.010, b=0.0001, c=0.001, d=0.0)
+    >>> round(m.predict(Shape(33, 6, 21)), 6)
+    0.0193
+    """
+
+    a: float
+    b: float
+    c: float
+    d: float
+    correction: float = 1.0
+    correction_decay: float = 0.9
+    bounds: tuple[float, float] = (0.5, 2.0)
+    samples: int = 0  # steps the fit used
+    rel_rms: float = 0.0  # the fit's relative RMS error on them
+    _num: float = field(default=0.0, repr=False, init=False)
+    _den: float = field(default=0.0, repr=False, init=False)
+
+    def raw(self, shape: Shape | Sequence[int]) -> float:
+        """The fitted seconds of a step of ``shape``, uncorrected."""
+        v, lv, r = shape
+        return self.a + self.b * v + self.c * lv + self.d * r
+
+    def predict(self, shape: Shape | Sequence[int]) -> float:
+        """The predicted seconds of a step of ``shape`` (corrected)."""
+        return self.correction * self.raw(shape)
+
+    def observe(self, shape: Shape | Sequence[int], measured: float) -> None:
+        """Correct online from one measured step of ``shape`` (seconds)."""
+        raw = self.raw(shape)
+        if not (raw > 0 and math.isfinite(measured) and measured > 0):
+            return
+        k = self.correction_decay
+        self._num, self._den = k * self._num + measured, k * self._den + raw
+        lo, hi = self.bounds
+        self.correction = min(hi, max(lo, self._num / self._den))
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[Shape | Sequence[int], float]]) -> CostModel:
+        """Least squares on ``(shape, seconds)`` samples with non-negative coefficients,
+        on relative errors (each row weighted by ``1 / seconds``: small steps count as much
+        as big ones)."""
+        if not samples:
+            raise ValueError("CostModel.fit: no samples")
+        x = np.array([[1.0, *map(float, s)] for s, _ in samples])
+        y = np.array([float(t) for _, t in samples])
+        if not np.all(np.isfinite(y) & (y > 0)):
+            raise ValueError("CostModel.fit: every measured step must take > 0 seconds")
+        coef = _nnls(x / y[:, None], np.ones_like(y))
+        rel = (x @ coef - y) / y
+        rms = float(np.sqrt(np.mean(rel * rel)))
+        return cls(*map(float, coef), samples=len(samples), rel_rms=rms)
+
+    def to_json(self) -> str:
+        """The fitted coefficients as JSON (the online correction is per run: not kept)."""
+        keys = ("a", "b", "c", "d", "samples", "rel_rms")
+        return json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | Mapping[str, Any]) -> CostModel:
+        """Inverse of ``to_json`` (a string or its parsed dict); ``ValueError`` when a
+        coefficient is missing, not a finite number >= 0."""
+        obj = json.loads(text) if isinstance(text, str) else dict(text)
+        if not isinstance(obj, dict):
+            raise ValueError("cost model JSON is not an object")
+        coef = []
+        for k in "abcd":
+            v = obj.get(k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"cost model coefficient {k}={v!r} is not a number >= 0")
+            if not math.isfinite(v):
+                raise ValueError(f"cost model coefficient {k}={v!r} is not finite")
+            coef.append(float(v))
+        return cls(*coef, samples=int(obj.get("samples", 0)), rel_rms=float(obj.get("rel_rms", 0)))
+
+
+def default_shapes(
+    verify_rows: Sequence[int] = (1, 16, 64),
+    draft_levels: Sequence[int] = (0, 2, 6),
+    draft_rows: Sequence[int] = (0, 8, 32),
+) -> list[Shape]:
+    """The grid ``measure`` times: every combination a step can have (no draft rows without
+    draft levels and the reverse; at least one draft row per level)."""
+    return [
+        Shape(v, lv, r)
+        for v in verify_rows
+        for lv in draft_levels
+        for r in draft_rows
+        if (lv == 0) == (r == 0) and r >= lv
+    ]
+
+
+def measure(
+    run_step: Callable[[Shape], object],
+    shapes: Sequence[Shape] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostModel:
+    """Time ``run_step(shape)`` (the engine's real verify + draft forwards of that size;
+    it must synchronise the device before returning) ``repeats`` times per shape after
+    ``warmup`` untimed calls, and fit a ``CostModel`` to the per-shape medians."""
+    if repeats < 1:
+        raise ValueError(f"measure: repeats must be >= 1, got {repeats}")
+    samples = []
+    for shape in shapes if shapes is not None else default_shapes():
+        shape = Shape(*shape)
+        for _ in range(warmup):
+            run_step(shape)
+        times = []
+        for _ in range(repeats):
+            t0 = clock()
+            run_step(shape)
+            times.append(clock() - t0)
+        samples.append((shape, float(np.median(times))))
+    return CostModel.fit(samples)
+
+
+def machine_fingerprint(device: str | None = None) -> str:
+    """What a timing depends on besides the model: the GPU's name (``device`` ``cuda...``)
+    or the CPU's model, cores and torch's thread count."""
+    if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(device)
+        return f"gpu:{torch.cuda.get_device_name(dev)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{cpu}:{os.cpu_count()} cores:{torch.get_num_threads()} threads"
+
+
+def cache_key(model: str, dtype: object, device: str | None = None) -> dict[str, str]:
+    """The cache key of a measured cost model: model name, machine, torch version, dtype."""
+    return {
+        "model": str(model),
+        "machine": machine_fingerprint(device),
+        "torch": str(torch.__version__),
+        "dtype": str(dtype),
+    }
+
+
+_FORMAT = "treespec.auto.cost_model"
+
+
+def cache_path(directory: str | os.PathLike, key: Mapping[str, str]) -> Path:
+    """The cache file of ``key`` under ``directory`` (a hash of the key: one per key)."""
+    digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()
+    return Path(directory) / f"cost-model-{digest[:16]}.json"
+
+
+def save_cost_model(directory: str | os.PathLike, key: Mapping[str, str], model: CostModel) -> Path:
+    """Write ``model`` under ``key`` atomically (a temporary file in the same directory, then
+    ``os.replace``): a reader sees the old file or the new one, never half of one."""
+    path = cache_path(directory, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": _FORMAT, "version": 1, "key": dict(key), "model": json.loads(model.to_json())}
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, sort_keys=True, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_cost_model(directory: str | os.PathLike, key: Mapping[str, str]) -> CostModel | None:
+    """The cached model of ``key``, or None: none cached, or (with a warning) a file that is
+    not JSON, not ours, or of another key (another machine, model, torch or dtype). JSON
+    only: nothing is unpickled."""
+    path = cache_path(directory, key)
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("version") != 1:
+            raise ValueError("not a treespec cost-model file")
+        if doc.get("key") != dict(key):
+            raise ValueError(f"its key {doc.get('key')!r} is not {dict(key)!r}")
+        return CostModel.from_json(doc["model"])
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+        warnings.warn(f"ignoring the cost-model cache {path}: {e}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def load_or_measure(
+    directory: str | os.PathLike,
+    key: Mapping[str, str],
+    run_step: Callable[[Shape], object],
+    shapes: Sequence[Shape] | None = None,
+    repeats: int = 5,
+) -> CostModel:
+    """The cached model of ``key``, else ``measure`` and cache it."""
+    model = load_cost_model(directory, key)
+    if model is None:
+        model = measure(run_step, shapes, repeats)
+        save_cost_model(directory, key, model)
+    return model

@@ -1,0 +1,140 @@
+"""Candidate trees and their sizes: temperature classes, a policy's ``Shape`` (verify rows,
+draft levels, draft rows), its depth, and the ``Candidate`` list ``choose`` picks from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+from tree_dev.spec import (
+    HybridPolicy,
+    NgramPolicy,
+    NoDraftPolicy,
+    Policy,
+    StaticPolicy,
+    TopKPolicy,
+    draft_slots,
+    parse_tree_spec,
+)
+from tree_dev.step import GREEDY_TEMPERATURE
+
+CLASSES = ("greedy", "sampled")  # temperature classes: below GREEDY_TEMPERATURE, or not
+
+
+def temperature_class(temperature: float) -> str:
+    """``"greedy"`` below ``step.GREEDY_TEMPERATURE`` (the greedy walk), else ``"sampled"``."""
+    return "greedy" if temperature < GREEDY_TEMPERATURE else "sampled"
+
+
+class Shape(NamedTuple):
+    """A step's (or one request's part of a step's) size, the cost model's inputs.
+
+    ``verify_rows``: tree nodes the target scores (root included); ``draft_levels``:
+    packed draft forwards (one per tree level grown); ``draft_rows``: nodes the draft
+    forwards over all levels (the root included, when it drafts at all).
+    """
+
+    verify_rows: int
+    draft_levels: int
+    draft_rows: int
+
+
+def policy_shape(policy: Policy) -> Shape:
+    """One request's verify rows, draft levels and draft rows under ``policy``.
+
+    - ``none``: ``(1, 0, 0)``; ``ngram``: ``(budget + 1, 0, 0)`` (no draft model).
+    - static (``chain:K``, ``paths``, ``medusa``): ``(N, D, 1 + F)``: ``N`` nodes, ``D``
+      the tree's depth (``TreeExpansion`` forwards one level per depth holding a node with
+      children), ``F`` the non-root nodes with children (``spec.draft_slots``: a leaf is
+      never forwarded).
+    - ``topk:k,depth,budget``: ``(1 + min(budget, k + (depth-1)*k*k), depth,
+      1 + k*(depth-1))``: level 1 forwards the root and makes ``k`` candidates, each later
+      level forwards the ``k`` best and makes ``k*k``; the last level's are not forwarded.
+    - ``hybrid``: verify ``1 + min(budget, topk candidates + ngram budget)``; draft levels
+      and rows its top-K part's (the trie costs the draft nothing).
+
+    When the draft runs, ``draft_rows - 1`` is ``spec.draft_slots`` (the root's KV slot is
+    the trunk's).
+    The trunk (last step's accepted tokens, forwarded with the root at level 1) and the
+    catch-up after a request drafted nothing for a while are not counted here.
+
+    >>> policy_shape(parse_tree_spec("topk:k=4,depth=6,budget=32"))
+    Shape(verify_rows=33, draft_levels=6, draft_rows=21)
+    """
+    if isinstance(policy, NoDraftPolicy):
+        return Shape(1, 0, 0)
+    if isinstance(policy, NgramPolicy):
+        return Shape(policy.budget + 1, 0, 0)
+    if isinstance(policy, StaticPolicy):
+        return Shape(policy.tree.num_nodes, policy.tree.max_depth, 1 + draft_slots(policy))
+    if isinstance(policy, TopKPolicy):
+        k, depth = policy.k, policy.depth
+        made = k + (depth - 1) * k * k
+        return Shape(1 + min(policy.budget, made), depth, 1 + draft_slots(policy))
+    if isinstance(policy, HybridPolicy):
+        top = policy_shape(policy.topk)
+        nodes = min(policy.budget, top.verify_rows - 1 + policy.ngram.budget)
+        return Shape(1 + nodes, top.draft_levels, top.draft_rows)
+    raise TypeError(f"not a tree policy: {policy!r}")
+
+
+def tree_depth(policy: Policy) -> int:
+    """The deepest a ``policy`` tree can reach (accepted drafts per step, at most).
+
+    ``none`` 0; static: the tree's depth; ``topk`` / ``ngram``: ``min(depth, budget)``;
+    ``hybrid``: ``min(budget, max(top-K depth, n-gram depth))``.
+    """
+    if isinstance(policy, NoDraftPolicy):
+        return 0
+    if isinstance(policy, StaticPolicy):
+        return policy.tree.max_depth
+    if isinstance(policy, (TopKPolicy, NgramPolicy)):
+        return min(policy.depth, policy.budget)
+    if isinstance(policy, HybridPolicy):
+        return min(policy.budget, max(policy.topk.depth, policy.ngram.depth))
+    raise TypeError(f"not a tree policy: {policy!r}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A tree the chooser may give a request: a policy, and whether a sampled request's
+    children are drawn from the draft (``sampled_drafts``; static trees with a model draft
+    only; greedy requests never get such a candidate: their drafts are top-ranked anyway).
+    """
+
+    policy: Policy
+    sampled_drafts: bool = False
+
+    @cached_property
+    def name(self) -> str:
+        """The key of its statistics: the spec, ``+sampled`` for sampled drafts."""
+        return self.policy.spec + ("+sampled" if self.sampled_drafts else "")
+
+    @cached_property
+    def shape(self) -> Shape:
+        return policy_shape(self.policy)
+
+    @cached_property
+    def depth(self) -> int:
+        return tree_depth(self.policy)
+
+
+def make_candidates(specs: Iterable[str | Policy | Candidate]) -> list[Candidate]:
+    """Candidates from specs (``"chain:4"``, ``"chain:4+sampled"``), policies or candidates;
+    ``none`` added when missing; cheapest shape first (ties by name), duplicates dropped.
+    This order is ``choose``'s tie-break: equal gains go to the cheaper candidate."""
+    out: dict[str, Candidate] = {}
+    for s in [*specs, "none"]:
+        if isinstance(s, str):
+            spec, plus, suffix = s.strip().partition("+")
+            if plus and suffix != "sampled":
+                raise ValueError(f"candidate {s!r}: the only suffix is '+sampled'")
+            s = Candidate(parse_tree_spec(spec), bool(plus))
+        elif not isinstance(s, Candidate):
+            s = Candidate(s)
+        if s.sampled_drafts and not isinstance(s.policy, StaticPolicy):
+            raise ValueError(f"sampled drafts need a static tree, not {s.policy.spec!r}")
+        out.setdefault(s.name, s)
+    return sorted(out.values(), key=lambda c: (*c.shape, c.name))
