@@ -102,6 +102,9 @@ def test_child_writes_what_an_in_process_writer_writes(tmp_path, writers):
             assert tb.dtype == ta.dtype and torch.equal(tb, ta), n
     ma, mb = (json.load(open(tmp_path / d / "manifest.json")) for d in ("a", "b"))
     ma.pop("created"), mb.pop("created")
+    # both record the checkout's revision (or both none outside git); compared apart, as a
+    # commit landing between the two writers changes it
+    assert (ma.pop("git_revision") is None) == (mb.pop("git_revision") is None)
     assert mb == ma
 
 
