@@ -12,12 +12,17 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# tree: auto's measured cost models go to a directory of this session (engine processes
+# inherit it), never into the user's ~/.cache
+os.environ["TREESPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="treespec-test-cache-")
 
 # The suite is dominated by small ops (tiny models, interpreter/executor kernels),
 # where intra-op threads cost more in synchronisation than they win: measured

@@ -5,6 +5,9 @@ from tests.factories import BACKENDS, random_tree, tiny_llama, tiny_llama_config
 
 from __future__ import annotations
 
+import torch
+from scipy.stats import chisquare
+
 from tree_dev.testing import (
     KERNEL_BACKENDS,
     hf_greedy,
@@ -16,8 +19,40 @@ from tree_dev.testing import (
 
 BACKENDS = list(KERNEL_BACKENDS)  # every kernel test runs these against kernels.reference
 
+
+def first_token_counts(
+    engine, prompt: list[int], draws: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Counts over the vocabulary of the first output token of ``draws`` seeded requests
+    (seeds ``0..draws-1``) of ``prompt`` at ``temperature`` on a local ``Engine``."""
+    from tree_dev.engine import SamplingParams
+
+    counts = torch.zeros(engine.vocab_size)
+    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=s) for s in range(draws)]
+    ids = [engine.add_request(prompt, sp) for sp in params]
+    while engine.has_work():
+        engine.step()
+    for i in ids:
+        counts[engine.requests[i].output[0]] += 1
+    return counts
+
+
+def chisquare_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
+    """Pearson's chi-square p-value of ``counts`` against probabilities ``p``, tokens with
+    fewer than 5 expected draws pooled into one cell (the test's validity condition)."""
+    expected = (p.double() * float(counts.sum())).numpy()
+    keep = expected >= 5
+    obs = list(counts.numpy()[keep]) + [float(counts.numpy()[~keep].sum())]
+    exp = list(expected[keep]) + [float(expected[~keep].sum())]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)
+
+
 __all__ = [
     "BACKENDS",
+    "chisquare_pvalue",
+    "first_token_counts",
     "hf_greedy",
     "perturbed",
     "random_tree",

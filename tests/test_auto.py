@@ -477,25 +477,31 @@ def test_collapse_leaves_the_big_tree_and_returns_when_acceptance_recovers():
     assert all(picks[t] != "chain:6" or probe[t] for t in range(38, 70))
     assert picks[38:70].count("none") >= 32 - 32 // every
     # acceptance recovers at step 70: within two probe periods a tree again, for good
-    back = next(t for t in range(70, 130) if picks[t] != "none")
+    back = next(t for t in range(70, 130) if "none" not in picks[t:])
     assert back < 70 + 2 * every
-    assert all(p == "chain:6" for p in picks[back + 1 :])
+    # the big tree returns, for good, within five probe periods (the chooser's drift
+    # discounted every model tree in the collapse, so the small tree comes back first)
+    big = next(t for t in range(back, 130) if picks[t] == "chain:6")
+    assert big < back + 5 * every
+    assert all(p == "chain:6" for p in picks[big:])
     assert run_collapse()[0] == picks  # deterministic
 
 
 def test_untried_trees_are_discovered_and_stats_count_choices():
     # nothing known: every tree reads optimism (E = 1 + depth): chain:2 3 tokens in
-    # 6.65 ms, chain:6 7 tokens in 11.85 ms -> chain:6 first; it always accepts nothing
+    # 6.65 ms, chain:6 7 tokens in 11.85 ms -> chain:6 first; it always accepts nothing,
+    # so the draft's drift discounts chain:2 too (its first draft would have failed as
+    # well) until the drift has decayed back a while
     policy = AutoPolicy(["chain:2", "chain:6"], CostModel(**COLLAPSE))
     first = []
-    for _ in range(3):
+    for _ in range(8):
         pick = policy.choose([("r", 0.0)])["r"]
         first.append(pick.name)
         policy.record([step_of("r", pick.depth, 0)])
-    assert first[0] == "chain:6" and "chain:2" in first
+    assert first[0] == "chain:6" and "chain:2" in first and first.count("none") >= 5
     stats = policy.stats.as_dict()
-    assert stats["steps"] == 3
-    assert sum(stats["choices"].values()) == 3
+    assert stats["steps"] == 8
+    assert sum(stats["choices"].values()) == 8
     assert stats["choices_by_class"]["sampled"] == {}
 
 

@@ -11,9 +11,8 @@ import copy
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from tests.factories import hf_greedy, perturbed, tiny_llama
+from tests.factories import chisquare_pvalue, first_token_counts, hf_greedy, perturbed, tiny_llama
 from tree_dev.engine import Engine, SamplingParams
 
 VOCAB = 64
@@ -154,19 +153,6 @@ def test_abort_frees_blocks(models):
     assert engine.runner.cache.free_blocks == engine.runner.cache.num_blocks
 
 
-def _first_token_counts(engine: Engine, prompt: list[int], draws: int) -> torch.Tensor:
-    counts = torch.zeros(engine.vocab_size)
-    ids = [
-        engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=1.0, seed=s))
-        for s in range(draws)
-    ]
-    while engine.has_work():
-        engine.step()
-    for i in ids:
-        counts[engine.requests[i].output[0]] += 1
-    return counts
-
-
 @pytest.mark.parametrize(
     "spec,draft_sampling,max_batch",
     [
@@ -190,16 +176,10 @@ def test_sampling_first_token_matches_target_distribution(spec, draft_sampling, 
         p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
     engine = Engine(target, draft, tree=spec, max_batch=max_batch, draft_sampling=draft_sampling)
     draws = 3000
-    counts = _first_token_counts(engine, prompt, draws)
+    counts = first_token_counts(engine, prompt, draws)
     accepted = sum(r.accepted_drafts for r in engine.requests.values())
     assert accepted > draws // 10, "drafts were rarely accepted: the test would prove little"
-    expected = (p * draws).numpy()
-    keep = expected >= 5  # chi-square validity: pool the rare tokens
-    obs = list(counts.numpy()[keep]) + [float(counts.numpy()[~keep].sum())]
-    exp = list(expected[keep]) + [float(expected[~keep].sum())]
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert chisquare_pvalue(counts, p) > 1e-3
 
 
 def test_seeded_sampling_is_reproducible(models):

@@ -25,23 +25,27 @@ _ROOT_ONLY = TokenTree.chain(0)  # plain decoding's tree (immutable, its propert
 
 
 def undrafted_proposals(
-    policy: Policy, batch: list[Request], history: NgramHistory
+    policies: list[Policy], batch: list[Request], history: NgramHistory
 ) -> list[Proposal]:
-    """The proposals of a policy that runs no draft model: the n-gram trie of each request's
-    context (and of ``history``, finished requests' tokens) for an ``NgramPolicy``, the
-    root alone (plain decoding) for any other."""
-    if isinstance(policy, NgramPolicy):
-        return [Proposal(*ngram_trie(r.prompt + r.output, policy, history)) for r in batch]
-    return [Proposal(_ROOT_ONLY, [r.root]) for r in batch]
+    """The proposals of trees the draft model does not grow (``policies[i]`` is request
+    ``i``'s): the n-gram trie of the request's context (and of ``history``, finished
+    requests' tokens) for an ``NgramPolicy``, the root alone (plain decoding) for any
+    other."""
+    return [
+        Proposal(*ngram_trie(r.prompt + r.output, p, history))
+        if isinstance(p, NgramPolicy)
+        else Proposal(_ROOT_ONLY, [r.root])
+        for p, r in zip(policies, batch)
+    ]
 
 
-def draft_requests(policy: Policy, batch: list[Request], eagle: bool) -> list[DraftRequest]:
+def draft_requests(policies: list[Policy], batch: list[Request], eagle: bool) -> list[DraftRequest]:
     """Per request, what the draft catches up on (its committed tokens not in the draft
     cache; an EAGLE head also their target features ``[len, H]``) and how its tree grows
-    below the root (``expansion_for``). An EAGLE head without the root's feature proposes
-    the root alone."""
+    below the root (``expansion_for`` of ``policies[i]``, request ``i``'s tree). An EAGLE
+    head without the root's feature proposes the root alone."""
     reqs = []
-    for r in batch:
+    for policy, r in zip(policies, batch):
         can = not eagle or bool(r.pending)  # an EAGLE head needs the root's feature
         expansion = expansion_for(
             policy,

@@ -60,7 +60,9 @@ from tree_dev.acceptance import (
     check_finite_logits,
     compact_accepted,
 )
+from tree_dev.auto import CostModel
 from tree_dev.drafting import draft_forward, draft_requests, mark_drafted, undrafted_proposals
+from tree_dev.engine_auto import LocalAuto, is_undrafted
 from tree_dev.engine_setup import (
     cache_blocks,
     check_kernel_limit,
@@ -80,7 +82,7 @@ from tree_dev.requests import (
     StepEvent,
     StepOutput,
 )
-from tree_dev.spec import NgramPolicy, NoDraftPolicy, Policy, TreeSettings
+from tree_dev.spec import AutoTreePolicy, Policy, TreeSettings
 from tree_dev.step import DraftBatch, Proposal, grow_trees
 
 __all__ = ["Engine", "Request", "RequestStep", "SamplingParams", "StepEvent", "StepOutput"]
@@ -97,6 +99,10 @@ class Engine:
         eagle: an EAGLE head (``tree_dev.models.eagle.EagleHead``) instead of a draft LM.
         tree: a tree spec (see ``tree_dev.spec``); ``"none"`` for plain decoding;
             ``ngram:`` tries need no draft (one given is not loaded into a runner).
+            ``"auto"`` (or ``"auto:TREE;TREE;..."``): per step and request, the tree
+            (or none) that maximises the batch's expected tokens per second
+            (``tree_dev.engine_auto``): the model candidates with a draft or EAGLE head,
+            n-gram tries without.
         max_batch: most requests decoded together.
         max_model_len: longest prompt + output.
         kernel_backend: backend for ``kernels.*`` (``"auto"`` picks per device).
@@ -118,6 +124,11 @@ class Engine:
             costs about the same at 1-4 rows as at 1 (see ``tree_dev.narrow_linear``).
             Switches the given models' layers in place. Default (None): where
             ``narrow_available()`` (x86-64 with AVX2 and a C compiler).
+        auto_cost_model: ``tree="auto"``'s step-cost model (``tree_dev.auto.CostModel``);
+            default: the one cached for these models on this machine, else measured now
+            with the engine's own steps and cached.
+        auto_cache_dir: where measured cost models are cached (default
+            ``$TREESPEC_CACHE_DIR/auto`` or ``~/.cache/treespec/auto``).
     """
 
     def __init__(
@@ -135,9 +146,14 @@ class Engine:
         onednn_linear: bool | None = None,
         narrow_linear: bool | None = None,
         tree_kernel: bool = False,
+        auto_cost_model: CostModel | None = None,
+        auto_cache_dir: str | Path | None = None,
     ):
         settings = TreeSettings.parse(tree, draft_sampling)
         self.policy: Policy = settings.policy
+        if isinstance(self.policy, AutoTreePolicy):  # the candidates its draft runs
+            kind = "eagle" if eagle is not None else "draft" if draft is not None else None
+            self.policy = self.policy.for_draft(kind)
         self.draft_sampling = settings.draft_sampling
         # finished requests' tokens, searched by an ngram:...,history=H trie
         self.ngram_history = NgramHistory(getattr(self.policy, "history", 0))
@@ -167,6 +183,11 @@ class Engine:
         self.timings = {"draft": 0.0, "verify": 0.0, "walk": 0.0, "prefill": 0.0}
         self.forwards = {"target": 0, "draft": 0}
         self._step_listeners: list[Callable[[StepEvent], None]] = []
+        self.last_verify_rows = 0  # tree nodes the target verified in the last step
+        self.auto: LocalAuto | None = None
+        if isinstance(self.policy, AutoTreePolicy):
+            self.auto = LocalAuto(self.policy, auto_cost_model)
+            self.auto.load_or_calibrate(self, auto_cache_dir)
 
     # ----------------------------------------------------------------- public API
     def on_step(self, listener: Callable[[StepEvent], None]) -> None:
@@ -229,8 +250,13 @@ class Engine:
             return []
         batch = list(self.running)
         t0 = time.perf_counter()
-        proposals = self._propose(batch)
+        if self.auto is not None:
+            policies = self.auto.choose(batch)
+        else:
+            policies = [self.policy] * len(batch)
+        proposals = self._propose(batch, policies)
         t1 = time.perf_counter()
+        self.last_verify_rows = sum(p.tree.num_nodes for p in proposals)
         hidden, logits = self.runner.forward(
             [r.req_id for r in batch],
             [r.target_len for r in batch],
@@ -254,9 +280,13 @@ class Engine:
                 )
                 for r, p in zip(batch, proposals)
             ]
-        paths: dict[int, tuple[list[int], list[int]]] | None = {} if records is not None else None
+        want_paths = records is not None or self.auto is not None
+        paths: dict[int, tuple[list[int], list[int]]] | None = {} if want_paths else None
         outs = self._accept(batch, proposals, hidden, logits, paths)
         t3 = time.perf_counter()
+        if self.auto is not None:
+            depths = [p.tree.max_depth for p in proposals]
+            self.auto.record(batch, depths, paths, t3 - t0)
         self.timings["draft"] += t1 - t0
         self.timings["verify"] += t2 - t1
         self.timings["walk"] += t3 - t2
@@ -288,7 +318,14 @@ class Engine:
         self.running.extend(new)
         self.timings["prefill"] += time.perf_counter() - t0
 
+    def auto_stats(self) -> dict | None:
+        """``tree: auto``'s choices and its cost model's predicted vs measured step seconds
+        (``auto.AutoStats.as_dict``); None for a fixed tree."""
+        return None if self.auto is None else self.auto.auto.stats.as_dict()
+
     def _release(self, req: Request) -> None:
+        if self.auto is not None:
+            self.auto.forget(req.req_id)
         if self.ngram_history.max_tokens and req.finish_reason in ("stop", "length"):
             self.ngram_history.add(req.prompt + req.output)  # no copy when history is off
         if req in self.running:
@@ -298,14 +335,23 @@ class Engine:
             self.draft_runner.cache.free(req.req_id)
 
     # ----------------------------------------------------------------- drafting
-    def _propose(self, batch: list[Request]) -> list[Proposal]:
-        if isinstance(self.policy, (NoDraftPolicy, NgramPolicy)):
-            return undrafted_proposals(self.policy, batch, self.ngram_history)
+    def _propose(self, batch: list[Request], policies: list[Policy]) -> list[Proposal]:
+        """Request ``i``'s tree under ``policies[i]``: tries and ``none`` from the context,
+        the rest grown by the draft (``grow_trees``), one packed forward per level."""
+        grown = [i for i, p in enumerate(policies) if not is_undrafted(p)]
+        if not grown:
+            return undrafted_proposals(policies, batch, self.ngram_history)
+        if len(grown) == len(batch):
+            props: list[Proposal | None] = [None] * len(batch)
+        else:
+            props = list(undrafted_proposals(policies, batch, self.ngram_history))
+        sub = [batch[i] for i in grown]
         eagle = self.draft_runner.eagle
-        reqs = draft_requests(self.policy, batch, eagle)
-        proposals = grow_trees(reqs, self._draft_forward)
-        mark_drafted(batch, reqs, eagle)
-        return proposals
+        reqs = draft_requests([policies[i] for i in grown], sub, eagle)
+        for i, prop in zip(grown, grow_trees(reqs, self._draft_forward)):
+            props[i] = prop
+        mark_drafted(sub, reqs, eagle)
+        return props
 
     def _draft_forward(self, b: DraftBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The draft runner as ``tree_dev.step.DraftForward``, counting its level forwards."""

@@ -18,7 +18,7 @@ from tree_dev.attention import register
 from tree_dev.model_runner import PREFILL_CHUNK, Runner, _attn_geometry, load_causal_lm
 from tree_dev.narrow_linear import narrow_available, use_narrow_linears
 from tree_dev.onednn_linear import onednn_faster, use_onednn_linears
-from tree_dev.spec import NgramPolicy, NoDraftPolicy, Policy
+from tree_dev.spec import AutoTreePolicy, NgramPolicy, NoDraftPolicy, Policy
 
 __all__ = [
     "cache_blocks",
@@ -56,7 +56,10 @@ def drafter_models(
     draft."""
     if draft is not None and eagle is not None:
         raise ValueError("give either a draft model or an EAGLE head, not both")
-    uses_draft = not isinstance(policy, (NoDraftPolicy, NgramPolicy))
+    if isinstance(policy, AutoTreePolicy):
+        uses_draft = policy.needs_model
+    else:
+        uses_draft = not isinstance(policy, (NoDraftPolicy, NgramPolicy))
     if uses_draft and draft is None and eagle is None:
         raise ValueError(f"tree {tree!r} needs a draft model or an EAGLE head")
     if not uses_draft:  # plain decoding and n-gram tries run no draft

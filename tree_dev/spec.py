@@ -143,7 +143,118 @@ class HybridPolicy:
         return self.budget
 
 
-Policy = StaticPolicy | TopKPolicy | NgramPolicy | HybridPolicy | NoDraftPolicy
+#: ``tree: auto``'s default candidates with a model draft (a draft LM or an EAGLE head):
+#: short and long chains, the sampled-draft chain (sampled requests only), two top-K trees,
+#: the hybrid tree and the n-gram trie (``none`` is always a candidate).
+AUTO_MODEL_CANDIDATES = (
+    "chain:2",
+    "chain:4",
+    "chain:4+sampled",
+    "topk:k=2,depth=4,budget=8",
+    "topk:k=4,depth=6,budget=16",
+    "hybrid:k=2,depth=6,budget=16",
+    "ngram:budget=8",
+)
+#: ``tree: auto``'s default candidates without a model draft: n-gram tries of three sizes.
+AUTO_TRIE_CANDIDATES = ("ngram:budget=4", "ngram:budget=8", "ngram:budget=16")
+
+
+@dataclass(frozen=True)
+class AutoTreePolicy:
+    """``tree: auto``: per step and request, one of ``candidates`` (or ``none``), chosen by
+    ``tree_dev.auto`` from measured step cost and the request's own acceptance.
+
+    ``candidates``: ``(tree, sampled_drafts)`` pairs; ``given``: listed in the spec
+    (``auto:chain:2;topk:k=2,depth=4,budget=8;ngram:budget=8``, each checked against the
+    engine's draft) rather than the defaults (``AUTO_MODEL_CANDIDATES`` with a model draft,
+    ``AUTO_TRIE_CANDIDATES`` without: ``for_draft`` keeps those the draft runs). KV slots and
+    vLLM's ``num_speculative_tokens`` are sized for the largest candidate.
+    """
+
+    candidates: tuple[tuple[Policy, bool], ...]
+    spec: str
+    given: bool = False
+
+    @property
+    def max_nodes(self) -> int:
+        return max((p.max_nodes for p, _ in self.candidates), default=1)
+
+    @property
+    def draft_budget(self) -> int:
+        return self.max_nodes - 1
+
+    @property
+    def names(self) -> list[str]:
+        """The candidates as specs (``+sampled`` for sampled drafts)."""
+        return [p.spec + ("+sampled" if s else "") for p, s in self.candidates]
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether some candidate runs a draft model (not only tries and ``none``)."""
+        return any(not isinstance(p, _MODEL_FREE) for p, _ in self.candidates)
+
+    @property
+    def history(self) -> int:
+        """The n-gram history its tries search (the largest ``history=`` of a candidate)."""
+        return max((getattr(p, "history", 0) for p, _ in self.candidates), default=0)
+
+    def for_draft(self, draft: str | None) -> AutoTreePolicy:
+        """The candidates ``draft`` (one of ``DRAFT_KINDS`` or None) can run: tries and
+        ``none`` need no model; every other tree needs ``"draft"`` or ``"eagle"``. Given
+        candidates must all run (``ValueError`` naming the first that cannot); the defaults
+        are filtered."""
+        if draft is not None and draft not in DRAFT_KINDS:
+            raise ValueError(
+                f"draft {draft!r} for tree {self.spec!r}: expected one of {DRAFT_KINDS} or None"
+            )
+        model = draft in MODEL_DRAFTS
+        if not self.given:
+            defaults = AUTO_MODEL_CANDIDATES if model else AUTO_TRIE_CANDIDATES
+            return AutoTreePolicy(tuple(map(parse_candidate, defaults)), self.spec)
+        keep = []
+        for p, sampled in self.candidates:
+            if model or isinstance(p, _MODEL_FREE):
+                keep.append((p, sampled))
+            else:
+                what = "none given" if draft is None else f"not {draft!r}"
+                raise ValueError(
+                    f"tree {self.spec!r}: candidate {p.spec!r} needs a draft (a draft model "
+                    f"or an EAGLE head), {what}"
+                )
+        return AutoTreePolicy(tuple(keep), self.spec, self.given)
+
+
+def parse_candidate(spec: str) -> tuple[Policy, bool]:
+    """``"chain:4"`` -> ``(tree, False)``; ``"chain:4+sampled"`` -> ``(tree, True)``: a
+    sampled request's children drawn from the draft (static trees only)."""
+    tree, plus, suffix = spec.strip().partition("+")
+    if plus and suffix != "sampled":
+        raise ValueError(f"candidate {spec!r}: the only suffix is '+sampled'")
+    policy = parse_tree_spec(tree)
+    if isinstance(policy, AutoTreePolicy):
+        raise ValueError(f"candidate {spec!r}: auto cannot be its own candidate")
+    if plus and not isinstance(policy, StaticPolicy):
+        raise ValueError(f"candidate {spec!r}: sampled drafts need a static tree")
+    return policy, bool(plus)
+
+
+def _parse_auto(spec: str, arg: str) -> AutoTreePolicy:
+    parts = [p.strip() for p in arg.split(";")]
+    if not arg.strip() or not all(parts):
+        raise ValueError(f"empty candidate in {spec!r}; expected auto:TREE;TREE;...")
+    seen: dict[str, tuple[Policy, bool]] = {}
+    for part in parts:
+        try:
+            cand = parse_candidate(part)
+        except ValueError as e:
+            raise ValueError(f"{spec!r}: {e}") from None
+        if isinstance(cand[0], NoDraftPolicy):
+            continue  # always a candidate
+        seen.setdefault(part, cand)
+    return AutoTreePolicy(tuple(seen.values()), spec, given=True)
+
+
+Policy = StaticPolicy | TopKPolicy | NgramPolicy | HybridPolicy | NoDraftPolicy | AutoTreePolicy
 
 
 def _int_fields(
@@ -233,6 +344,8 @@ def draft_slots(policy: Policy) -> int:
     """
     if isinstance(policy, HybridPolicy):  # the draft forwards the top-K part only
         return draft_slots(policy.topk)
+    if isinstance(policy, AutoTreePolicy):  # the largest candidate's
+        return max((draft_slots(p) for p, _ in policy.candidates), default=0)
     if isinstance(policy, TopKPolicy):
         return policy.k * (policy.depth - 1)
     if isinstance(policy, StaticPolicy):
@@ -262,6 +375,9 @@ def check_draft(policy: Policy, draft: str | None, *, builtin_chains: bool = Fal
     ValueError: tree 'ngram:budget=8' is the n-gram trie, ... not 'eagle'
     """
     spec = policy.spec
+    if isinstance(policy, AutoTreePolicy):
+        policy.for_draft(draft)  # a given candidate the draft cannot run: ValueError
+        return
     if draft is not None and draft not in DRAFT_KINDS:
         raise ValueError(
             f"draft {draft!r} for tree {spec!r}: expected one of {DRAFT_KINDS} or None (no draft)"
@@ -368,6 +484,17 @@ class TreeSettings:
         policy = parse_tree_spec(tree) if isinstance(tree, str) else tree
         if not isinstance(draft_sampling, bool):
             raise ValueError(f"{sampling_field} = {draft_sampling!r}; expected true or false")
+        if draft_sampling and isinstance(policy, AutoTreePolicy):
+            raise ValueError(
+                f"{sampling_field} with {policy.spec!r}: auto draws a sampled request's drafts "
+                "where that pays; list chain:K+sampled among its candidates instead"
+            )
+        if isinstance(policy, AutoTreePolicy) and draft is not ...:
+            try:
+                policy = policy.for_draft(draft)
+            except ValueError as e:
+                raise ValueError(f"{draft_field}: {e}") from None
+            return cls(policy, False, draft)
         if draft_sampling and not isinstance(policy, StaticPolicy):
             raise ValueError(
                 f"{sampling_field} needs a static tree (chain/paths/medusa), not {policy.spec!r}: "
@@ -446,10 +573,13 @@ def parse_tree_spec(spec: str) -> Policy:
     spec = spec.strip()
     if spec == "none":
         return NoDraftPolicy()
+    if spec == "auto":
+        specs = dict.fromkeys((*AUTO_MODEL_CANDIDATES, *AUTO_TRIE_CANDIDATES))
+        return AutoTreePolicy(tuple(map(parse_candidate, specs)), "auto")
     kind, sep, arg = spec.partition(":")
     if not sep:
         raise ValueError(
-            f"unknown tree spec {spec!r}; expected none, chain:K, paths:[...], "
+            f"unknown tree spec {spec!r}; expected none, auto, chain:K, paths:[...], "
             "medusa:NAME, topk:k=..,depth=..,budget=.., ngram:budget=.. or hybrid:.."
         )
     parse = _PARSERS.get(kind)
@@ -495,7 +625,10 @@ def _parse_topk(spec: str, arg: str) -> TopKPolicy:
     return TopKPolicy(int(fields["k"]), int(fields["depth"]), int(fields["budget"]), spec, temp)
 
 
+_MODEL_FREE = (NgramPolicy, NoDraftPolicy)
+
 _PARSERS = {
+    "auto": _parse_auto,
     "chain": _parse_chain,
     "paths": _parse_paths,
     "medusa": _parse_medusa,

@@ -145,8 +145,25 @@ class StepRecord(Protocol):
     accepted: list[int]  # accepted node ids, the root first
 
 
+def draft_source(c: Candidate) -> str | None:
+    """Where a candidate's drafts come from: ``"model"`` (it runs draft levels), ``"trie"``
+    (an n-gram trie), None (``none``)."""
+    if c.shape.draft_levels > 0:
+        return "model"
+    return "trie" if c.depth > 0 else None
+
+
 class AutoPolicy:
     """``tree: auto`` for one engine: ``choose`` before a step, ``record`` after it.
+
+    Besides the tracker's per-candidate counts, each request keeps one **drift** factor per
+    draft source (``draft_source``: the model, the trie) and class: the decayed ratio of the
+    drafts it got accepted to the drafts the tracker expected (``drift_decay`` 0.7 per
+    observed step, at most 1), which scales every candidate of that source. The drafts of
+    all of a source's trees come from the same draft, so when it goes wrong for a request
+    (the text turned novel) every such tree is discounted within a few steps, not one
+    candidate at a time. Unobserved, the factor returns toward 1 (``drift_recover`` 0.9 per
+    request step), so probes find a draft that recovered.
 
     >>> from tree_dev.step import RequestStep
     >>> auto = AutoPolicy(["chain:2", "chain:6"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0))
@@ -156,10 +173,10 @@ class AutoPolicy:
     ...     picks.append(pick.name)
     ...     d = pick.depth  # the tree: a chain d deep; accepted: the root alone
     ...     auto.record([RequestStep("r", 0, [0], [-1, *range(d)], [0] * (d + 1), d, [0])])
-    >>> " ".join(picks)  # optimism first (the deepest tree), then less as evidence comes in
-    'chain:6 chain:2 chain:6 chain:2 chain:6 chain:2 chain:6 chain:2 none none'
+    >>> " ".join(picks)  # optimism first (the deepest tree), then the draft's drift
+    'chain:6 none none chain:2 none none none chain:6 none none'
     >>> auto.stats.as_dict()["choices"]
-    {'chain:2': 4, 'chain:6': 4, 'none': 2}
+    {'chain:2': 1, 'chain:6': 2, 'none': 7}
     """
 
     def __init__(
@@ -167,11 +184,20 @@ class AutoPolicy:
         candidates: Iterable[str | Policy | Candidate],
         cost_model: CostModel,
         tracker: AcceptanceTracker | None = None,
+        drift_decay: float = 0.7,
+        drift_recover: float = 0.9,
     ):
+        if not (0 < drift_decay <= 1 and 0 <= drift_recover <= 1):
+            raise ValueError("drift_decay must be in (0, 1], drift_recover in [0, 1]")
         self.candidates = make_candidates(candidates)
         self.cost_model = cost_model
         self.tracker = tracker if tracker is not None else AcceptanceTracker()
         self.stats = AutoStats()
+        self.drift_decay, self.drift_recover = drift_decay, drift_recover
+        # (request, source, class) -> [accepted, expected, request step of the last update]
+        self._drift: dict[tuple[Any, str, str], list[float]] = {}
+        self._req_step: dict[Any, int] = {}
+        self._raw: dict[tuple[Any, str], float] = {}  # this step's unscaled expected drafts
         self._pending: dict[Any, tuple[Candidate, str]] = {}
         self._shape = Shape(0, 0, 0)
         self._predicted = 0.0
@@ -186,10 +212,24 @@ class AutoPolicy:
         for c, ok in zip(self.candidates, allowed):
             if not ok:
                 row.append(None)
-            else:
-                tokens = self.tracker.expected_tokens(req_id, c.name, cls, c.depth, c.name == probe)
-                row.append(tokens)
+                continue
+            tokens = self.tracker.expected_tokens(req_id, c.name, cls, c.depth, c.name == probe)
+            self._raw[req_id, c.name] = tokens - 1.0
+            source = draft_source(c)
+            if source is not None:
+                tokens = 1.0 + self.drift(req_id, source, cls) * (tokens - 1.0)
+            row.append(tokens)
         return row
+
+    def drift(self, req_id: Any, source: str, cls: str) -> float:
+        """The request's drift factor of ``source`` in class ``cls`` (see the class), in
+        [0, 1]; 1 when never observed."""
+        d = self._drift.get((req_id, source, cls))
+        if d is None or d[1] <= 0:
+            return 1.0
+        ratio = min(d[0] / d[1], 1.0)
+        idle = max(self._req_step.get(req_id, 0) - int(d[2]), 0)
+        return 1.0 - (1.0 - ratio) * self.drift_recover**idle
 
     def choose(self, requests: Sequence[tuple[Any, float]]) -> dict[Any, Candidate]:
         """``[(req_id, temperature), ...]`` -> per request its candidate for this step."""
@@ -197,6 +237,7 @@ class AutoPolicy:
         expected = [self.expected_row(rid, cls) for (rid, _), cls in zip(requests, classes)]
         picks = choose(expected, self.candidates, self.cost_model)
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
+        self._raw = {(rid, c.name): self._raw[rid, c.name] for rid, (c, _) in self._pending.items()}
         self._shape = batch_shape(c.shape for c in picks)
         self._predicted = self.cost_model.predict(self._shape) if picks else 0.0
         for c, cls in zip(picks, classes):
@@ -213,7 +254,13 @@ class AutoPolicy:
             cand, cls = pick
             accepted = len(s.accepted) - 1  # the root is not a draft
             self.tracker.observe(s.req_id, cand.name, cls, s.max_depth, accepted, cand.depth)
-        self._pending = {}
+            now = self._req_step[s.req_id] = self._req_step.get(s.req_id, 0) + 1
+            source, expected = draft_source(cand), self._raw.get((s.req_id, cand.name), 0.0)
+            if source is not None and expected > 0:
+                d = self._drift.setdefault((s.req_id, source, cls), [0.0, 0.0, now])
+                k = self.drift_decay
+                d[:] = [k * d[0] + accepted, k * d[1] + expected, now]
+        self._pending, self._raw = {}, {}
         self.tracker.end_step()
         self.stats.steps += 1
         if seconds is not None and self._shape.verify_rows > 0:
@@ -225,3 +272,6 @@ class AutoPolicy:
         """A request finished."""
         self.tracker.forget(req_id)
         self._pending.pop(req_id, None)
+        self._req_step.pop(req_id, None)
+        for k in [k for k in self._drift if k[0] == req_id]:
+            del self._drift[k]

@@ -9,6 +9,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from tree_dev.spec import (
+    AutoTreePolicy,
     HybridPolicy,
     NgramPolicy,
     NoDraftPolicy,
@@ -16,7 +17,7 @@ from tree_dev.spec import (
     StaticPolicy,
     TopKPolicy,
     draft_slots,
-    parse_tree_spec,
+    parse_candidate,
 )
 from tree_dev.step import GREEDY_TEMPERATURE
 
@@ -60,6 +61,7 @@ def policy_shape(policy: Policy) -> Shape:
     The trunk (last step's accepted tokens, forwarded with the root at level 1) and the
     catch-up after a request drafted nothing for a while are not counted here.
 
+    >>> from tree_dev.spec import parse_tree_spec
     >>> policy_shape(parse_tree_spec("topk:k=4,depth=6,budget=32"))
     Shape(verify_rows=33, draft_levels=6, draft_rows=21)
     """
@@ -121,19 +123,25 @@ class Candidate:
         return tree_depth(self.policy)
 
 
-def make_candidates(specs: Iterable[str | Policy | Candidate]) -> list[Candidate]:
-    """Candidates from specs (``"chain:4"``, ``"chain:4+sampled"``), policies or candidates;
-    ``none`` added when missing; cheapest shape first (ties by name), duplicates dropped.
-    This order is ``choose``'s tie-break: equal gains go to the cheaper candidate."""
+def make_candidates(
+    specs: Iterable[str | Policy | tuple[Policy, bool] | Candidate] | AutoTreePolicy,
+) -> list[Candidate]:
+    """Candidates from specs (``"chain:4"``, ``"chain:4+sampled"``: ``spec.parse_candidate``),
+    policies, ``(policy, sampled_drafts)`` pairs, candidates, or an ``auto`` policy's
+    candidates; ``none`` added when missing; cheapest shape first (ties by name), duplicates
+    dropped. This order is ``choose``'s tie-break: equal gains go to the cheaper one."""
+    if isinstance(specs, AutoTreePolicy):
+        specs = specs.candidates
     out: dict[str, Candidate] = {}
     for s in [*specs, "none"]:
         if isinstance(s, str):
-            spec, plus, suffix = s.strip().partition("+")
-            if plus and suffix != "sampled":
-                raise ValueError(f"candidate {s!r}: the only suffix is '+sampled'")
-            s = Candidate(parse_tree_spec(spec), bool(plus))
+            s = Candidate(*parse_candidate(s))
+        elif isinstance(s, tuple):
+            s = Candidate(*s)
         elif not isinstance(s, Candidate):
             s = Candidate(s)
+        if isinstance(s.policy, AutoTreePolicy):
+            raise ValueError(f"candidate {s.policy.spec!r}: auto cannot be its own candidate")
         if s.sampled_drafts and not isinstance(s.policy, StaticPolicy):
             raise ValueError(f"sampled drafts need a static tree, not {s.policy.spec!r}")
         out.setdefault(s.name, s)

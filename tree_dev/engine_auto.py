@@ -1,0 +1,188 @@
+"""``tree: "auto"`` in the local engine: ``tree_dev.auto`` asked per step which tree each
+request gets, told what each step accepted and cost, and its cost model measured on this
+machine with the engine's own steps (cached per model and machine).
+
+The engine calls ``LocalAuto.choose`` before drafting (per request, a candidate tree),
+``record`` after the walk, ``forget`` when a request leaves. ``calibrate`` times real engine
+steps, every candidate at batch sizes 1 and 4 on a repetitive dummy prompt (so n-gram
+tries fill), and fits ``auto.CostModel`` to the steps' realised shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from tree_dev.auto import (
+    AutoPolicy,
+    Candidate,
+    CostModel,
+    Shape,
+    batch_shape,
+    cache_key,
+    load_cost_model,
+    save_cost_model,
+)
+from tree_dev.requests import Request, SamplingParams
+from tree_dev.spec import AutoTreePolicy, NgramPolicy, NoDraftPolicy, Policy
+
+if TYPE_CHECKING:
+    from tree_dev.engine import Engine
+
+#: Where measured cost models are cached: ``$TREESPEC_CACHE_DIR`` or ``~/.cache/treespec``.
+CACHE_ENV = "TREESPEC_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """``$TREESPEC_CACHE_DIR``, else ``~/.cache/treespec``; cost models under ``auto/``."""
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "treespec"
+    return Path(root) / "auto"
+
+
+class _Record(NamedTuple):
+    """What ``AutoPolicy.record`` reads of a request's step."""
+
+    req_id: int
+    max_depth: int
+    accepted: list[int]
+
+
+class LocalAuto:
+    """``tree: auto`` for one local ``Engine``: its ``AutoPolicy`` and the calibration.
+
+    ``cost_model``: a given model (no measurement: a deterministic choice, for tests); else
+    the model cached under ``cache_dir`` for this target, draft, dtype and machine, or one
+    measured now (``calibrate``) and cached.
+    """
+
+    def __init__(self, policy: AutoTreePolicy, cost_model: CostModel | None = None):
+        self.policy = policy
+        self.auto = AutoPolicy(policy, cost_model or CostModel(a=1.0, b=0.0, c=0.0, d=0.0))
+        self.measured = cost_model is not None
+        self._forced: Candidate | None = None
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        return self.auto.candidates
+
+    def choose(self, batch: Sequence[Request]) -> list[Policy]:
+        """Per request, this step's tree; sets ``sampled_drafts`` where the pick draws a
+        sampled request's drafts from the draft model."""
+        if self._forced is not None:
+            picks = [self._forced] * len(batch)
+        else:
+            chosen = self.auto.choose([(r.req_id, r.params.temperature) for r in batch])
+            picks = [chosen[r.req_id] for r in batch]
+        for r, c in zip(batch, picks):
+            r.sampled_drafts = c.sampled_drafts and r.mode != "greedy"
+        return [c.policy for c in picks]
+
+    def record(
+        self,
+        batch: Sequence[Request],
+        max_depths: Sequence[int],
+        paths: dict[int, tuple[list[int], list[int]]],
+        seconds: float,
+    ) -> None:
+        """The step's accepted paths and its measured seconds."""
+        if self._forced is not None:
+            return
+        steps = [_Record(r.req_id, d, paths[r.req_id][0]) for r, d in zip(batch, max_depths)]
+        self.auto.record(steps, seconds)
+
+    def forget(self, req_id: int) -> None:
+        self.auto.forget(req_id)
+
+    # ------------------------------------------------------------------ calibration
+    def load_or_calibrate(self, engine: Engine, cache_dir: str | os.PathLike | None) -> None:
+        """The cached cost model of ``engine``'s models on this machine, or ``calibrate``
+        and cache it (atomically). Does nothing when a model was given."""
+        if self.measured:
+            return
+        directory = default_cache_dir() if cache_dir is None else Path(cache_dir)
+        key = engine_cache_key(engine)
+        model = load_cost_model(directory, key)
+        if model is None:
+            model = self.calibrate(engine)
+            save_cost_model(directory, key, model)
+        self.auto.cost_model = model
+        self.measured = True
+
+    def calibrate(
+        self, engine: Engine, batch_sizes: Sequence[int] = (1, 4), steps: int = 4
+    ) -> CostModel:
+        """Time ``steps`` engine steps of every candidate at each batch size (after one
+        untimed step: the draft's catch-up on the prompt) and fit a ``CostModel`` to the
+        realised ``(shape, seconds)``: verify rows as proposed, draft levels as forwarded,
+        draft rows from the candidates' shapes."""
+        if engine.has_work():
+            raise RuntimeError("calibrate needs an idle engine")
+        gen = torch.Generator().manual_seed(0)
+        vocab = engine.vocab_size
+        motif = torch.randint(0, vocab, (8,), generator=gen).tolist()
+        prompt = (motif * 6)[: max(2, min(48, engine.max_model_len // 2))]
+        samples: list[tuple[Shape, float]] = []
+        batch_sizes = [b for b in batch_sizes if b <= engine.max_batch] or [1]
+        try:
+            for cand in self.candidates:
+                self._forced = cand
+                for bs in batch_sizes:
+                    samples += self._time_steps(engine, cand, bs, prompt, steps)
+        finally:
+            self._forced = None
+        return CostModel.fit(samples)
+
+    def _time_steps(
+        self, engine: Engine, cand: Candidate, bs: int, prompt: list[int], steps: int
+    ) -> list[tuple[Shape, float]]:
+        params = SamplingParams(max_tokens=8 * (steps + 1), ignore_eos=True, seed=0)
+        ids = [engine.add_request(list(prompt), params) for _ in range(bs)]
+        engine._admit()  # the prefill is not a step
+        out = []
+        try:
+            for k in range(steps + 1):
+                if not engine.has_work():
+                    break
+                levels0 = engine.forwards["draft"]
+                t0 = time.perf_counter()
+                engine.step()
+                seconds = time.perf_counter() - t0
+                rows = engine.last_verify_rows
+                levels = engine.forwards["draft"] - levels0
+                shape = batch_shape([cand.shape] * bs)
+                if k > 0:  # the first drafted step carries the catch-up on the prompt
+                    out.append((Shape(rows, levels, shape.draft_rows if levels else 0), seconds))
+        finally:
+            for i in ids:
+                engine.abort(i)
+                engine.requests.pop(i, None)
+        return out
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    """A model's name or path, and its parameter count (two heads of one class differ)."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    return f"{name}({sum(p.numel() for p in model.parameters())})"
+
+
+def engine_cache_key(engine: Engine) -> dict[str, str]:
+    """The cost-model cache key: the target and draft (names or paths, parameter counts),
+    whether the draft is an EAGLE head, dtype, machine and torch version."""
+    runner = engine.draft_runner
+    draft = "none" if runner is None else ("eagle:" if runner.eagle else "draft:")
+    if runner is not None:
+        draft += _model_name(runner.model)
+    p = next(engine.target.parameters())
+    key = cache_key(f"{_model_name(engine.target)}|{draft}", p.dtype, str(p.device))
+    key["engine"] = "local"
+    return key
+
+
+def is_undrafted(policy: Policy) -> bool:
+    """Trees the draft model does not grow: ``none`` and n-gram tries."""
+    return isinstance(policy, (NoDraftPolicy, NgramPolicy))
