@@ -90,7 +90,7 @@ def _trees_unlike_the_local_engines(recorded: list[dict], tree: str = TREE) -> l
     engine = Engine(TARGET, DRAFT, tree=tree, max_batch=1, max_model_len=512)
     proposals = []
     grow = engine._propose
-    engine._propose = lambda batch: proposals.append(grow(batch)) or proposals[-1]
+    engine._propose = lambda *a: proposals.append(grow(*a)) or proposals[-1]
     unlike = []
     for rec in recorded:
         proposals.clear()

@@ -218,7 +218,8 @@ def assert_first_tree_token_is_targets(
     # every second token came from a tree step (a trie: at least those after x1, which
     # the prompt's earlier text continues)
     need = n if min_tree_steps is None else min_tree_steps
-    assert after["tree_steps"] - before["tree_steps"] >= need
+    steps = after["tree_steps"] - before["tree_steps"]
+    assert steps >= need, f"{steps} tree steps of {n} requests; the test needs {need}"
     if mode is not None:
         walked = after["walks"].get(mode, 0) - before["walks"].get(mode, 0)
         assert walked >= n, (mode, before["walks"], after["walks"])

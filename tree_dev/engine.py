@@ -335,9 +335,14 @@ class Engine:
             self.draft_runner.cache.free(req.req_id)
 
     # ----------------------------------------------------------------- drafting
-    def _propose(self, batch: list[Request], policies: list[Policy]) -> list[Proposal]:
-        """Request ``i``'s tree under ``policies[i]``: tries and ``none`` from the context,
-        the rest grown by the draft (``grow_trees``), one packed forward per level."""
+    def _propose(
+        self, batch: list[Request], policies: list[Policy] | None = None
+    ) -> list[Proposal]:
+        """Request ``i``'s tree under ``policies[i]`` (default: the engine's tree): tries
+        and ``none`` from the context, the rest grown by the draft (``grow_trees``), one
+        packed forward per level."""
+        if policies is None:
+            policies = [self.policy] * len(batch)
         grown = [i for i, p in enumerate(policies) if not is_undrafted(p)]
         if not grown:
             return undrafted_proposals(policies, batch, self.ngram_history)

@@ -244,6 +244,11 @@ class AutoPolicy:
             self.stats.count(cls, c.name)
         return {rid: c for (rid, _), c in zip(requests, picks)}
 
+    @property
+    def step_shape(self) -> Shape:
+        """The batch shape of the step ``choose`` last chose (the cost model's input)."""
+        return self._shape
+
     def record(self, steps: Iterable[StepRecord], seconds: float | None = None) -> None:
         """The step's ``RequestStep``s (requests not chosen for are skipped) and, when
         measured, its seconds: the acceptance counts, the cost correction and the stats."""

@@ -39,6 +39,7 @@ from tree_dev.spec import (
     DRAFT_OF_VLLM_METHOD,
     MODEL_DRAFTS,
     VLLM_METHOD,
+    AutoTreePolicy,
     NoDraftPolicy,
     Policy,
     TreeSettings,
@@ -140,6 +141,18 @@ def parse(
     policy = settings.policy
     if is_ngram(policy) and not policy.range_given:
         policy = _with_lookup_range(policy, speculative_config)
+        settings = dataclasses.replace(settings, policy=policy)
+    elif isinstance(policy, AutoTreePolicy):  # each trie candidate takes the range too
+        cands = tuple(
+            (
+                _with_lookup_range(p, speculative_config)
+                if is_ngram(p) and not p.range_given
+                else p,
+                s,
+            )
+            for p, s in policy.candidates
+        )
+        policy = dataclasses.replace(policy, candidates=cands)
         settings = dataclasses.replace(settings, policy=policy)
     settings.check_num_speculative_tokens(
         getattr(speculative_config, "num_speculative_tokens", None),

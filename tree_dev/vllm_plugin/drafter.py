@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tree_dev.proposer import expansion_for
+from tree_dev.spec import Policy
 from tree_dev.step import DraftBatch, DraftRequest, Proposal, grow_trees
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin.attention import TreeAttentionMetadata, TreeRows, tree_batch
@@ -49,6 +50,7 @@ class Draftee:
             (sampled drafts, static trees); None takes the top-ranked children.
         generator: the request's CPU generator for that draw (None: torch's global one).
         context: the committed tokens, root last (hybrid trees search it for n-grams).
+        policy: the tree to grow (``tree: auto`` chooses per request); None: the config's.
     """
 
     row: int
@@ -59,6 +61,7 @@ class Draftee:
     temperature: float | None = None
     generator: torch.Generator | None = None
     context: list[int] | None = None
+    policy: Policy | None = None
 
 
 class ModelDrafter:
@@ -209,7 +212,11 @@ class ModelDrafter:
                 d.seq[d.start :],
                 d.start,
                 expansion_for(
-                    policy, int(d.seq[-1]), d.context, d.temperature, generator=d.generator
+                    d.policy or policy,
+                    int(d.seq[-1]),
+                    d.context,
+                    d.temperature,
+                    generator=d.generator,
                 ),
                 d.feats if self.eagle else None,
             )

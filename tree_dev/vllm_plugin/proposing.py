@@ -55,6 +55,7 @@ class TreeProposer:
         self.features = FeatureHistory(self.draft_len)  # EAGLE
         self.recorded: list[dict] = []  # the first cfg.record_trees proposals
         self.drafter = None  # drafter.ModelDrafter, once the model is loaded
+        self.auto = None  # auto_choice.VllmAuto under tree: auto (TreeRunner sets it)
 
     @property
     def cfg(self):
@@ -68,6 +69,8 @@ class TreeProposer:
             if seen is not None:
                 self.history.add(seen)
         for rid in gone:
+            if self.auto is not None:
+                self.auto.forget(rid)
             self.contexts.pop(rid, None)
             self.proposals.pop(rid, None)
             self.draft_len.pop(rid, None)
@@ -81,15 +84,38 @@ class TreeProposer:
         step just verified (EAGLE keeps the features of what it committed)."""
         if self.cfg.method == "eagle" and hidden_states is not None and step is not None:
             self.features.keep(hidden_states, step, accepted)
+        if self.auto is not None:
+            self.auto.step_done()
         out: list[list[int]] = [[] for _ in self.tr.runner.input_batch.req_ids]
         todo = self._eligible(sampled_token_ids)
         if not todo or getattr(scheduler_output, "num_spec_tokens_to_schedule", None) == 0:
             return out
-        if is_ngram(self.cfg.policy):
+        if self.auto is not None:
+            self._propose_auto(todo, out)
+        elif is_ngram(self.cfg.policy):
             self._propose_ngram(todo, out)
         else:
             self._propose_model(todo, out)
         return out
+
+    def _propose_auto(self, todo: list[tuple[int, str, int]], out: list[list[int]]) -> None:
+        """``tree: auto``: each request's tree of this step (``VllmAuto.choose``): none,
+        an n-gram trie, or a tree the draft model grows (sampled drafts where chosen)."""
+        states = self.tr.runner.requests
+        temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
+        picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)])
+        tries, model = [], []
+        for t, temp in zip(todo, temps):
+            cand = picks[t[1]]
+            if is_ngram(cand.policy):
+                tries.append((t, cand.policy))
+            elif cand.depth > 0:
+                sampled = cand.sampled_drafts and temp >= GREEDY_TEMPERATURE
+                model.append((t, cand.policy, sampled))
+        for (i, rid, n_tokens), policy in tries:
+            self._propose_ngram([(i, rid, n_tokens)], out, policy)
+        if model:
+            self._propose_model([t for t, _, _ in model], out, [(p, s) for _, p, s in model])
 
     def _eligible(self, sampled_token_ids) -> list[tuple[int, str, int]]:
         """``(batch row, request id, committed tokens)`` of the requests that get a tree
@@ -114,19 +140,28 @@ class TreeProposer:
             todo.append((i, rid, n_tokens))
         return todo
 
-    def _propose_ngram(self, todo: list[tuple[int, str, int]], out: list[list[int]]) -> None:
+    def _propose_ngram(
+        self, todo: list[tuple[int, str, int]], out: list[list[int]], policy=None
+    ) -> None:
         from tree_dev.proposer import ngram_trie
 
+        policy = policy or self.cfg.policy
         batch = self.tr.runner.input_batch
         for i, rid, n_tokens in todo:
             context = batch.token_ids_cpu[i, :n_tokens].tolist()
             if self.history.max_tokens:
                 self.contexts[rid] = context  # into the history when it finishes
-            tree, tokens = ngram_trie(context, self.cfg.policy, self.history)
+            tree, tokens = ngram_trie(context, policy, self.history)
             self._store(rid, tree, tokens, out, i)
 
-    def _propose_model(self, todo: list[tuple[int, str, int]], out: list[list[int]]) -> None:
-        draftees = [d for d in (self._draftee(*t) for t in todo) if d is not None]
+    def _propose_model(
+        self, todo: list[tuple[int, str, int]], out: list[list[int]], trees=None
+    ) -> None:
+        """Trees the draft model grows; ``trees``: per request ``(policy, sampled drafts)``
+        (``tree: auto``), else the config's tree and draft sampling."""
+        trees = trees or [(None, self.cfg.draft_sampling)] * len(todo)
+        made = (self._draftee(*t, policy=p, sampled=s) for t, (p, s) in zip(todo, trees))
+        draftees = [d for d in made if d is not None]
         eagle = self.cfg.method == "eagle"
         for d, (prop, cached) in zip(draftees, self.drafter.propose(draftees)):
             self.draft_len[d.rid] = cached  # the trunk and root are in the draft cache
@@ -134,26 +169,27 @@ class TreeProposer:
                 self.features.consumed(d.rid, cached, len(d.seq))
             self._store(d.rid, prop.tree, prop.tokens, out, d.row, prop.draft_probs)
 
-    def _draftee(self, i: int, rid: str, n_tokens: int):
+    def _draftee(self, i: int, rid: str, n_tokens: int, policy=None, sampled: bool = False):
         """Request ``rid``'s draft sequence and catch-up (None: an EAGLE request without
-        the feature history its catch-up needs)."""
+        the feature history its catch-up needs); ``policy``: its tree (None: the
+        config's), ``sampled``: draw a sampled request's drafts from the draft."""
         from tree_dev.vllm_plugin.drafter import Draftee
 
         tokens = self.tr.runner.input_batch.token_ids_cpu[i, :n_tokens].tolist()
         temp, gen = None, None
-        if self.cfg.draft_sampling:
+        if sampled:
             state = self.tr.runner.requests[rid]
             t = float(state.sampling_params.temperature)
             if t >= GREEDY_TEMPERATURE:
                 temp, gen = t, state.generator
         if self.cfg.method != "eagle":
             start = min(self.draft_len.get(rid, 0), n_tokens - 1)
-            return Draftee(i, rid, tokens, start, None, temp, gen, tokens)
+            return Draftee(i, rid, tokens, start, None, temp, gen, tokens, policy)
         seq = tokens[1:]  # element k pairs token k + 1 with the target's feature at k
         found = self.features.catch_up(rid, len(seq))
         if found is None:
             return None  # no feature history for this request's catch-up
-        return Draftee(i, rid, seq, found[0], found[1], temp, gen, tokens)
+        return Draftee(i, rid, seq, found[0], found[1], temp, gen, tokens, policy)
 
     def _store(
         self,

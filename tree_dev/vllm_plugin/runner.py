@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from tree_dev.proposer import tree_of
+from tree_dev.spec import AutoTreePolicy
 from tree_dev.step import (
     Proposal,
     RequestStep,
@@ -77,6 +78,15 @@ class TreeRunner:
         self.verify_rows: attention.TreeRows | None = None  # this forward's tree rows
         self.stats = Stats()
         self._step_listeners: list[Callable[[StepEvent], None]] = [self.stats.record]
+        if isinstance(cfg.policy, AutoTreePolicy):  # tree: auto chooses per request
+            from tree_dev.vllm_plugin.auto_choice import VllmAuto
+
+            mc, sc = runner.vllm_config.model_config, runner.speculative_config
+            draft = f"{cfg.method}:{getattr(sc, 'model', None)}"
+            self.proposer.auto = VllmAuto(
+                cfg.policy, str(mc.model), draft, mc.dtype, str(runner.device)
+            )
+            self.on_step(self.proposer.auto.on_step_event)
         self.target_layers: list[str] = []
         # per step: (req ids, first query row, computed tokens, scheduled tokens) per row
         self.step: tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None = None

@@ -29,7 +29,12 @@ def _tree_runner(worker, method: str | None = None):
 def worker_tree_stats(worker) -> dict:
     """Per-depth acceptance of a worker's runner: ``llm.collective_rpc("treespec_tree_stats")``."""
     st = _tree_runner(worker)
-    return {"tree": st.cfg.spec, **st.stats.as_dict()} if st is not None else {}
+    if st is None:
+        return {}
+    out = {"tree": st.cfg.spec, **st.stats.as_dict()}
+    if st.proposer.auto is not None:  # tree: auto's choices, predicted vs measured seconds
+        out["auto"] = st.proposer.auto.stats
+    return out
 
 
 def worker_recorded_trees(worker) -> list[dict]:

@@ -1,0 +1,93 @@
+"""``tree: "auto"`` inside vLLM: per request and step the plugin picks none, an n-gram
+trie or a draft-model tree; lossless greedy with sampled requests in the same batches,
+exact sampling at T=0.8, the choices and the cost model's predicted vs measured step
+seconds in the stats, the cost model refitted on this machine's steps and cached.
+
+One eager engine: the committed target with the committed draft LM as vLLM's
+``draft_model`` proposer, ``tree: auto`` (its model candidates; 16 draft nodes for the
+largest), up to 8 concurrent requests.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+
+from vllm_engines import (  # noqa: E402
+    DRAFT,
+    PROMPTS,
+    assert_first_tree_token_is_targets,
+    generate,
+    greedy_params,
+    make_llm,
+    plain_outputs,
+    shutdown,
+    tree_stats,
+)
+
+pytestmark = pytest.mark.full  # make test-all only: an engine, 50-prompt proofs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return plain_outputs(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def llm(reference):
+    engine = make_llm(
+        max_num_seqs=8,
+        speculative_config={
+            "method": "draft_model",
+            "model": DRAFT,
+            "num_speculative_tokens": 16,
+        },
+        additional_config={"treespec": {"tree": "auto"}},
+    )
+    yield engine
+    shutdown(engine)
+
+
+def test_auto_samples_the_target_distribution(llm):
+    """First on the fresh engine: the T=0.8 first-token proof, most steps with trees."""
+    assert_first_tree_token_is_targets(llm, PROMPTS[3][:24], min_tree_steps=300)
+
+
+def test_auto_is_lossless_with_mixed_temperatures(llm, reference):
+    """50 prompts, every other one at T=0.8, submitted together: each greedy request is
+    vLLM's plain greedy output token for token; both classes got trees."""
+    from vllm import SamplingParams
+
+    greedy = greedy_params(len(PROMPTS))
+    params = [
+        greedy[i]
+        if i % 2 == 0
+        else SamplingParams(temperature=0.8, max_tokens=greedy[i].max_tokens, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    outs = generate(llm, PROMPTS, params)
+    bad = [i for i in range(0, len(PROMPTS), 2) if outs[i] != reference[i]]
+    assert not bad, f"greedy prompts {bad} diverge from vLLM's plain greedy output"
+    stats = tree_stats(llm)
+    assert stats["tree"] == "auto"
+    auto = stats["auto"]
+    for cls in ("greedy", "sampled"):
+        trees = {n: k for n, k in auto["choices_by_class"][cls].items() if n != "none"}
+        assert trees, f"auto never gave a {cls} request a tree: the proof proves nothing"
+    assert any(not n.startswith(("ngram", "none")) for n in auto["choices"])
+    assert stats["tokens_per_step"] > 1.3
+    assert auto["measured_steps"] > 50
+    assert auto["mean_predicted_s"] > 0 and auto["mean_measured_s"] > 0
+
+
+def test_auto_cost_model_is_fitted_on_this_machine_and_cached(llm):
+    """After the runs above, the cost model was refitted to measured steps (not the
+    start-up guess) and cached as JSON under ``$TREESPEC_CACHE_DIR/auto``."""
+    auto = tree_stats(llm)["auto"]
+    assert auto["cost_model_measured"], auto["cost_model"]
+    cached = list((Path(os.environ["TREESPEC_CACHE_DIR"]) / "auto").glob("cost-model-*.json"))
+    assert cached, "no cost model was cached"

@@ -1,0 +1,141 @@
+"""``tree: "auto"`` inside vLLM: ``tree_dev.auto`` asked per step which tree each request
+gets, told what the step accepted and how long it took, its cost model fitted on this
+machine's steps and cached per model and machine.
+
+The proposer calls ``VllmAuto.choose`` for the requests it drafts for, and ``step_done``
+at the start of the next propose: the steps's seconds are the wall time between two
+proposes (draft, verify, walk and vLLM's own work of the step whose trees were chosen).
+Its accepted paths come from the runner's ``StepEvent`` (``on_step_event``); a request
+given ``none`` verified no tree and is recorded as such.
+
+Cost model: the cached one of this model, draft and machine (``$TREESPEC_CACHE_DIR/auto``)
+when there is one; else it starts from ``START`` (relative costs: one step, a verify row,
+a draft level, a draft row) and is refitted online, every ``REFIT_EVERY`` measured steps,
+to the last ``KEEP`` ``(shape, seconds)`` samples (``CostModel.fit``), once they hold at
+least ``MIN_SHAPES`` distinct shapes; each fit is cached (atomically) for the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tree_dev.auto import (
+    AutoPolicy,
+    Candidate,
+    CostModel,
+    Shape,
+    cache_key,
+    load_cost_model,
+    save_cost_model,
+)
+from tree_dev.spec import AutoTreePolicy
+from tree_dev.step import StepEvent
+
+#: the cost model before any measurement: relative costs (a step, a verify row, a draft
+#: level, a draft row), about a small model on a CPU at batch 1
+START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005)
+REFIT_EVERY = 64
+KEEP = 1024
+MIN_SHAPES = 4
+
+
+def default_cache_dir() -> Path:
+    """``$TREESPEC_CACHE_DIR/auto``, else ``~/.cache/treespec/auto``."""
+    root = os.environ.get("TREESPEC_CACHE_DIR") or Path.home() / ".cache" / "treespec"
+    return Path(root) / "auto"
+
+
+class _Record(NamedTuple):
+    req_id: Any
+    max_depth: int
+    accepted: list[int]
+
+
+class VllmAuto:
+    """``tree: auto`` for one plugin runner (``model``, ``draft``: names for the cache key;
+    ``cost_model``: a given one, never refitted)."""
+
+    def __init__(
+        self,
+        policy: AutoTreePolicy,
+        model: str,
+        draft: str,
+        dtype: object,
+        device: str,
+        cost_model: CostModel | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ):
+        self.key = cache_key(f"{model}|{draft}", dtype, device)
+        self.key["engine"] = "vllm"
+        self.dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
+        self.fixed = cost_model is not None
+        if cost_model is None:
+            cost_model = load_cost_model(self.dir, self.key)
+        self.measured = cost_model is not None
+        start = cost_model if cost_model is not None else CostModel(**START.__dict__)
+        self.auto = AutoPolicy(policy, start)
+        self.samples: deque[tuple[Shape, float]] = deque(maxlen=KEEP)
+        self._events: list[Any] = []
+        self._chosen: dict[Any, Candidate] = {}
+        self._t: float | None = None
+        self._since_fit = 0
+
+    @property
+    def stats(self) -> dict:
+        out = self.auto.stats.as_dict()
+        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcd"}
+        out["cost_model_measured"] = self.measured
+        return out
+
+    def on_step_event(self, event: StepEvent) -> None:
+        """The runner's step event: the accepted paths of the trees just verified."""
+        self._events.extend(event.requests)
+
+    def step_done(self) -> None:
+        """Close the step chosen at the last ``choose``: its records and seconds."""
+        now = time.perf_counter()
+        if self._chosen:
+            got = {r.req_id: r for r in self._events}
+            records = [
+                got.get(rid) or _Record(rid, 0, [0])  # none, or a tree vLLM did not verify
+                for rid in self._chosen
+            ]
+            seconds = now - self._t if self._t is not None else None
+            shape = self.auto.step_shape
+            self.auto.record(records, seconds)
+            if seconds is not None and shape.verify_rows > 0:
+                self.samples.append((shape, seconds))
+                self._since_fit += 1
+                self._maybe_refit()
+        self._events, self._chosen = [], {}
+        self._t = now
+
+    def choose(self, requests: list[tuple[str, float]]) -> dict[str, Candidate]:
+        """``[(request id, temperature), ...]`` -> this step's candidate per request."""
+        self._chosen = self.auto.choose(requests)
+        return self._chosen
+
+    def forget(self, req_id: str) -> None:
+        self.auto.forget(req_id)
+
+    def _maybe_refit(self) -> None:
+        if self.fixed or self._since_fit < REFIT_EVERY:
+            return
+        if len({s for s, _ in self.samples}) < MIN_SHAPES:
+            return
+        self._since_fit = 0
+        fit = CostModel.fit(list(self.samples))
+        fit.correction = 1.0
+        self.auto.cost_model = fit
+        self.measured = True
+        try:
+            save_cost_model(self.dir, self.key, fit)
+        except OSError as e:  # a read-only cache directory: the fit is used, not kept
+            warnings.warn(
+                f"treespec auto: cost model not cached: {e}", RuntimeWarning, stacklevel=2
+            )
