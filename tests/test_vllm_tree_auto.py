@@ -91,3 +91,22 @@ def test_auto_cost_model_is_fitted_on_this_machine_and_cached(llm):
     assert auto["cost_model_measured"], auto["cost_model"]
     cached = list((Path(os.environ["TREESPEC_CACHE_DIR"]) / "auto").glob("cost-model-*.json"))
     assert cached, "no cost model was cached"
+
+
+def test_calibration_times_every_candidate_and_fits_the_cost(llm):
+    """``calibrate_auto``: each candidate forced on 1 and 4 requests, the steps timed in
+    the worker (drafting plus verify, idle time excluded), a cost model fitted in which
+    bigger steps cost more, and the chooser back in charge afterwards."""
+    from tree_dev.vllm_plugin.auto_choice import calibrate_auto
+
+    before = tree_stats(llm)["auto"]
+    stats = calibrate_auto(llm, force=True)
+    assert stats["cost_model_measured"]
+    assert stats["samples"] > before["samples"] + 2 * len(stats["candidates"])
+    cost = stats["cost_model"]
+    assert cost["a"] > 0 and (cost["b"] > 0 or cost["c"] > 0 or cost["d"] > 0), cost
+    assert stats["steps"] == before["steps"]  # forced steps teach no acceptance
+    with pytest.raises(Exception, match="no candidate 'chain:9'"):
+        llm.collective_rpc("treespec_auto_force", args=("chain:9",))
+    with pytest.raises(Exception, match="auto is chosen at start-up"):
+        llm.collective_rpc("treespec_set_tree", args=("topk:k=2,depth=4,budget=16",))

@@ -29,6 +29,7 @@ from tree_dev.auto import (
     Candidate,
     CostModel,
     Shape,
+    batch_shape,
     cache_key,
     load_cost_model,
     save_cost_model,
@@ -82,22 +83,39 @@ class VllmAuto:
         self.samples: deque[tuple[Shape, float]] = deque(maxlen=KEEP)
         self._events: list[Any] = []
         self._chosen: dict[Any, Candidate] = {}
-        self._t: float | None = None
+        self._forced: Candidate | None = None
+        self._t_choose: float | None = None  # this step's choose (its drafting began)
+        self._draft_s: float | None = None  # its drafting's seconds
+        self._t_begin: float | None = None  # its verify step's start (on_update_states)
         self._since_fit = 0
 
     @property
     def stats(self) -> dict:
         out = self.auto.stats.as_dict()
+        out["candidates"] = [c.name for c in self.auto.candidates]
         out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcd"}
         out["cost_model_measured"] = self.measured
+        out["samples"] = len(self.samples)
         return out
+
+    # ------------------------------------------------------------- the step's clock
+    def step_begin(self) -> None:
+        """vLLM began a step (the verify of the trees chosen at the last ``choose``)."""
+        self._t_begin = time.perf_counter()
+
+    def drafted(self) -> None:
+        """The propose that chose this step's trees has drafted them."""
+        if self._t_choose is not None:
+            self._draft_s = time.perf_counter() - self._t_choose
 
     def on_step_event(self, event: StepEvent) -> None:
         """The runner's step event: the accepted paths of the trees just verified."""
         self._events.extend(event.requests)
 
     def step_done(self) -> None:
-        """Close the step chosen at the last ``choose``: its records and seconds."""
+        """Close the step chosen at the last ``choose`` (called as the next propose
+        starts): its records, and its seconds: the drafting plus the verify step from
+        its start to now (an idle engine between the two is not counted)."""
         now = time.perf_counter()
         if self._chosen:
             got = {r.req_id: r for r in self._events}
@@ -105,29 +123,61 @@ class VllmAuto:
                 got.get(rid) or _Record(rid, 0, [0])  # none, or a tree vLLM did not verify
                 for rid in self._chosen
             ]
-            seconds = now - self._t if self._t is not None else None
-            shape = self.auto.step_shape
-            self.auto.record(records, seconds)
+            seconds = None
+            began = self._t_begin
+            if self._draft_s is not None and began is not None and began >= self._t_choose:
+                seconds = self._draft_s + (now - began)
+            shape = batch_shape(c.shape for c in self._chosen.values())
+            if self._forced is None:
+                self.auto.record(records, seconds)
             if seconds is not None and shape.verify_rows > 0:
                 self.samples.append((shape, seconds))
                 self._since_fit += 1
                 self._maybe_refit()
-        self._events, self._chosen = [], {}
-        self._t = now
+        self._events, self._chosen, self._draft_s = [], {}, None
 
     def choose(self, requests: list[tuple[str, float]]) -> dict[str, Candidate]:
         """``[(request id, temperature), ...]`` -> this step's candidate per request."""
-        self._chosen = self.auto.choose(requests)
+        self._t_choose = time.perf_counter()
+        if self._forced is not None:
+            self._chosen = dict.fromkeys((rid for rid, _ in requests), self._forced)
+        else:
+            self._chosen = self.auto.choose(requests)
         return self._chosen
 
     def forget(self, req_id: str) -> None:
         self.auto.forget(req_id)
+
+    # ------------------------------------------------------------- calibration
+    def force(self, name: str | None) -> None:
+        """Give every request candidate ``name`` (None: choose again), for calibration:
+        forced steps are timed, not counted as acceptance."""
+        if name is None:
+            self._forced = None
+            return
+        by_name = {c.name: c for c in self.auto.candidates}
+        if name not in by_name:
+            raise ValueError(f"treespec auto: no candidate {name!r}; have {sorted(by_name)}")
+        self._forced = by_name[name]
+
+    def fit_now(self) -> dict:
+        """Fit the cost model to the timed steps now and cache it (``calibrate_auto``)."""
+        if len({s for s, _ in self.samples}) < 2:
+            raise ValueError(
+                f"treespec auto: {len(self.samples)} timed steps of fewer than 2 shapes: "
+                "nothing to fit"
+            )
+        self._fit()
+        return self.stats
 
     def _maybe_refit(self) -> None:
         if self.fixed or self._since_fit < REFIT_EVERY:
             return
         if len({s for s, _ in self.samples}) < MIN_SHAPES:
             return
+        self._fit()
+
+    def _fit(self) -> None:
         self._since_fit = 0
         fit = CostModel.fit(list(self.samples))
         fit.correction = 1.0
@@ -139,3 +189,36 @@ class VllmAuto:
             warnings.warn(
                 f"treespec auto: cost model not cached: {e}", RuntimeWarning, stacklevel=2
             )
+
+
+def calibrate_auto(
+    llm, batch_sizes: tuple[int, ...] = (1, 4), tokens: int = 40, force: bool = False
+) -> dict:
+    """Measure ``tree: auto``'s cost model on a running ``vllm.LLM``: every candidate
+    forced in turn on ``batch_sizes`` concurrent greedy requests of a repetitive prompt (so
+    n-gram tries fill), ``tokens`` tokens each, the steps timed by the worker, then fitted
+    and cached (``$TREESPEC_CACHE_DIR/auto``). Skipped when the worker already has a
+    measured (cached) model, unless ``force``. Returns the worker's auto statistics.
+
+    ``serve.py --engine vllm --tree auto`` calls it at start-up; without it, the worker
+    refits online from the steps it serves.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    stats = llm.collective_rpc("treespec_tree_stats")[0].get("auto")
+    if stats is None:
+        raise ValueError("calibrate_auto: the engine's tree is not auto")
+    if stats["cost_model_measured"] and not force:
+        return stats
+    motif = [11, 23, 5, 42, 17, 8, 31, 2]
+    prompt = TokensPrompt(prompt_token_ids=motif * 6)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    try:
+        for name in stats["candidates"]:
+            llm.collective_rpc("treespec_auto_force", args=(name,))
+            for bs in batch_sizes:
+                llm.generate([prompt] * bs, params, use_tqdm=False)
+    finally:
+        llm.collective_rpc("treespec_auto_force", args=(None,))
+    return llm.collective_rpc("treespec_auto_fit")[0]

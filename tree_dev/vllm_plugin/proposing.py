@@ -92,6 +92,7 @@ class TreeProposer:
             return out
         if self.auto is not None:
             self._propose_auto(todo, out)
+            self.auto.drafted()
         elif is_ngram(self.cfg.policy):
             self._propose_ngram(todo, out)
         else:

@@ -126,6 +126,8 @@ class TreeRunner:
 
     def on_update_states(self, scheduler_output) -> None:
         """Forget finished and preempted requests; new and resumed ones start over."""
+        if self.proposer.auto is not None:
+            self.proposer.auto.step_begin()
         gone = set(scheduler_output.finished_req_ids)
         gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         gone |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 from tree_dev.proposer import NgramHistory
+from tree_dev.spec import AutoTreePolicy
 
 
 def _tree_runner(worker, method: str | None = None):
@@ -104,6 +105,11 @@ def worker_set_tree(worker, spec: str) -> None:
     section = {"tree": spec, "kernel_backend": cur.kernel_backend}
     section["draft_sampling"] = cur.draft_sampling
     new = config.parse(section, st.runner.speculative_config)
+    if st.proposer.auto is not None or isinstance(new.policy, AutoTreePolicy):
+        raise ValueError(
+            f"treespec_set_tree: {spec!r} from {cur.spec!r}: tree auto is chosen at start-up "
+            "(it sets up its chooser and cost model), not switched to or from"
+        )
     reserved, needed = config.draft_slots(st.start_policy), config.draft_slots(new.policy)
     if needed > reserved:
         raise ValueError(
@@ -112,6 +118,24 @@ def worker_set_tree(worker, spec: str) -> None:
         )
     st.cfg = cur.with_policy(new.policy)
     st.proposer.history = NgramHistory(getattr(new.policy, "history", 0))
+
+
+def worker_auto_force(worker, name: str | None) -> None:
+    """``tree: auto``'s calibration: every request gets candidate ``name`` (None: the
+    chooser again): ``llm.collective_rpc("treespec_auto_force", args=(name,))``."""
+    st = _tree_runner(worker, "treespec_auto_force")
+    if st.proposer.auto is None:
+        raise ValueError(f"treespec_auto_force: the engine's tree is {st.cfg.spec!r}, not auto")
+    st.proposer.auto.force(name)
+
+
+def worker_auto_fit(worker) -> dict:
+    """``tree: auto``: fit the cost model to the timed steps now, cache it, return the auto
+    statistics (``llm.collective_rpc("treespec_auto_fit")``)."""
+    st = _tree_runner(worker, "treespec_auto_fit")
+    if st.proposer.auto is None:
+        raise ValueError(f"treespec_auto_fit: the engine's tree is {st.cfg.spec!r}, not auto")
+    return st.proposer.auto.fit_now()
 
 
 class TreeWorkerExtension:
@@ -123,6 +147,8 @@ class TreeWorkerExtension:
     treespec_set_tree = worker_set_tree
     treespec_record_steps = worker_record_steps
     treespec_recorded_steps = worker_recorded_steps
+    treespec_auto_force = worker_auto_force
+    treespec_auto_fit = worker_auto_fit
 
 
 EXTENSION = f"{__name__}.TreeWorkerExtension"
