@@ -53,6 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CK = ROOT / "checkpoints" / "stdlib-v1"
 CHAIN_LENGTHS = (4, 8)  # the trees' node budgets; 16 only in the full grid's EAGLE tree
 SCENARIOS = (("batch1", 1, 0.0), ("batch1", 1, 0.8), ("conc4", 4, 0.0), ("conc4", 4, 0.8))
+#: a scenario's temperature ``MIXED``: every other request greedy, the rest at T=0.8
+MIXED = "mixed"
 
 
 def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> list[dict]:
@@ -171,13 +173,20 @@ def start_engine(cfg: dict, llm_kw: dict | None = None, warm_prompts=None):
 
     env = {"TREESPEC_DRAFT_ATTENTION": "tree"} if cfg.get("draft_attention") == "tree" else None
     llm, startup = bench_llm(cfg, env, **(llm_kw or {}))
+    if (cfg.get("tree") or "").startswith("auto"):  # its cost model: cached, or measured now
+        from tree_dev.vllm_plugin.auto_choice import calibrate_auto
+
+        t = time.perf_counter()
+        calibrate_auto(llm)
+        startup += time.perf_counter() - t
     warm = [TokensPrompt(prompt_token_ids=p) for p in (warm_prompts or held_out(2, 32))[:2]]
     llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     return llm, startup
 
 
-def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, temp: float):
+def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, temp: float | str):
     """Output tokens/s of one scenario and the engine's spec-decode counters around it.
+    ``temp`` ``MIXED``: request ``i`` greedy for even ``i``, else at T=0.8.
 
     Sampling is unseeded: with a seed per request, vLLM 0.32's own chain proposers
     accepted nothing at temperature 0.8 here (tau exactly 1.00 where unseeded runs give
@@ -187,12 +196,14 @@ def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, tem
     from vllm.inputs import TokensPrompt
 
     toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True)
+    temps = [(0.0 if i % 2 == 0 else 0.8) if temp == MIXED else temp for i in range(len(toks))]
+    params = [SamplingParams(temperature=t, max_tokens=max_tokens, ignore_eos=True) for t in temps]
     before = _counters(llm)
     t = time.perf_counter()
     if conc == 1:
         n_out = sum(
-            len(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in toks
+            len(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids)
+            for p, sp in zip(toks, params)
         )
     else:
         outs = llm.generate(toks, params, use_tqdm=False)
@@ -201,12 +212,14 @@ def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, tem
     return n_out, dt, _acceptance(before, _counters(llm))
 
 
-def prompt_sets(prompts: list[list[int]], per: int, reps: int) -> list[list[list[list[int]]]]:
+def prompt_sets(
+    prompts: list[list[int]], per: int, reps: int, scenarios=SCENARIOS
+) -> list[list[list[list[int]]]]:
     """``[scenario][rep]`` -> ``per`` prompts, disjoint while ``prompts`` lasts: an engine
     that reuses earlier requests (vLLM's ``suffix``, the trie's ``history=``) never sees
     a request it has decoded before, which would flatter it (greedy repeats its output)."""
     out, k = [], 0
-    for _ in SCENARIOS:
+    for _ in scenarios:
         row = []
         for _ in range(reps):
             row.append([prompts[(k + i) % len(prompts)] for i in range(per)])
@@ -223,6 +236,7 @@ def run_engine(
     reps: int = 1,
     llm_kw: dict | None = None,
     warm: list[list[int]] | None = None,
+    scenarios=SCENARIOS,
 ) -> dict:
     """Start one engine and time every scenario ``reps`` times, each time side by side
     with the resident vLLM ``plain`` engine (the two in turns, the order alternating):
@@ -240,7 +254,7 @@ def run_engine(
         "scenarios": {},
     }
     try:
-        for si, (label, conc, temp) in enumerate(SCENARIOS):
+        for si, (label, conc, temp) in enumerate(scenarios):
             mine, base, ratios, n_out, acc = [], [], [], 0, {}
             for rep in range(reps):
                 order = [llm, plain] if rep % 2 == 0 else [plain, llm]

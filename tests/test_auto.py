@@ -569,3 +569,21 @@ def test_optimistic_start_covers_the_whole_tree():
     t.observe("r", "ngram:budget=8", "greedy", 0, 0, depth=8)
     assert t.accept_probs("s", "ngram:budget=8", "greedy", 8) == pytest.approx([2 / 3] * 8)
     assert t.accept_probs("r", "ngram:budget=8", "greedy", 8) == pytest.approx([1 / 3] * 8)
+
+
+def test_unavailable_tries_are_neither_chosen_nor_learnt():
+    """A trie that finds no match this step (``unmatched_tries``) is not offered: the
+    request gets the best of the rest, and nothing is recorded for the trie."""
+    from tree_dev.auto import unmatched_tries
+
+    policy = AutoPolicy(["ngram:budget=8", "chain:2"], CostModel(**COLLAPSE))
+    cands = policy.candidates
+    assert unmatched_tries([1, 2, 3, 4], cands) == {"ngram:budget=8"}
+    assert unmatched_tries([1, 2, 3, 1], cands) == set()
+    for _ in range(12):
+        pick = policy.choose([("r", 0.0)], {"r": unmatched_tries([1, 2, 3, 4], cands)})["r"]
+        assert pick.name != "ngram:budget=8"
+        policy.record([step_of("r", pick.depth, pick.depth)])
+    assert policy.tracker.counts("r", "ngram:budget=8", "greedy") == (0.0, [], [])
+    # with a match, the untried trie is offered again (its optimistic prior: 8 deep)
+    assert policy.choose([("r", 0.0)], {"r": set()})["r"].name == "ngram:budget=8"

@@ -469,3 +469,18 @@ def test_ngram_trie_searches_earlier_requests_after_its_own_context():
     assert ngram_trie([5, 1, 4, 0, 5, 1], one, h)[1] == [1, 4]  # '5 1' in both: own first
     # a longer match in the history outranks a shorter one of the context
     assert ngram_trie([8, 1, 4, 5, 1], one, h)[1] == [1, 2]  # '5 1' there, only '1' here
+
+
+@settings(max_examples=200)
+@given(
+    context=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    min_n=st.integers(1, 3),
+)
+def test_has_ngram_match_says_whether_the_trie_has_a_node(context, min_n):
+    """``tree: auto``'s cheap check agrees with the trie itself on every context: a trie
+    that is the root alone is exactly a context without a match."""
+    from tree_dev.proposer import has_ngram_match, ngram_trie
+
+    policy = parse_tree_spec(f"ngram:budget=4,min={min_n},max={max(min_n, 3)}")
+    tree, _ = ngram_trie(context, policy)
+    assert has_ngram_match(context, policy) == (tree.num_nodes > 1)

@@ -1052,3 +1052,286 @@ def test_serve_load_ratios_are_paired_per_round():
     assert _paired_ratios(run, base) == {"1": 2.0}  # a failed round (0 tok/s) is no ratio
     rounds = [{"output_throughput": x, "id": i} for i, x in enumerate([5.0, 9.0, 7.0])]
     assert _median_round(rounds)["id"] == 2
+
+
+# --------------------------------------------------------------------------- tree: auto
+def _model_set(root: Path) -> Path:
+    for sub in ("target", "eagle", "draft", "tokenizer"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _plain_checkpoint(root: Path) -> Path:
+    """A pretrained model's directory: no draft model, no EAGLE head."""
+    root.mkdir(exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    return root
+
+
+def _largest_budget(candidates) -> int:
+    """Draft nodes of the largest candidate (``+sampled`` stripped): vLLM's
+    ``num_speculative_tokens`` for ``auto``."""
+    from tree_dev.spec import parse_tree_spec
+
+    return max(parse_tree_spec(c.split("+")[0]).draft_budget for c in candidates)
+
+
+def test_tree_auto_flags_resolve_per_draft_kind_for_both_engines(tmp_path):
+    """``--tree auto``, each draft kind the server takes: the model set's EAGLE head, a draft
+    LM, and no model (a plain checkpoint: its n-gram tries), on both engines; vLLM gets
+    the draft's method, num_speculative_tokens = the largest candidate's draft nodes, the
+    plugin's ``treespec`` key, and the /metrics middleware (auto only)."""
+    from tree_dev.spec import AUTO_MODEL_CANDIDATES, AUTO_TRIE_CANDIDATES, TreeSettings
+
+    ms, plain = _model_set(tmp_path / "set"), _plain_checkpoint(tmp_path / "plain")
+    draft = str(ms / "draft")
+    cases = [  # (flags, drafter, drafter path, candidates)
+        (["--model", str(ms)], "eagle", ms / "eagle", AUTO_MODEL_CANDIDATES),
+        (["--model", str(ms), "--draft-model", draft], "draft", Path(draft), AUTO_MODEL_CANDIDATES),
+        (["--model", str(plain)], "ngram", None, AUTO_TRIE_CANDIDATES),
+    ]
+    method = {"eagle": "eagle", "draft": "draft_model", "ngram": "ngram"}
+    for flags, drafter, path, cands in cases:
+        for engine in ("local", "vllm"):
+            c = config.resolve_config(["--engine", engine, *flags, "--tree", "auto"])
+            assert (c.tree, c.drafter, c.drafter_path) == ("auto", drafter, path), (engine, flags)
+            assert c.tree_source == "--tree" and not c.draft_sampling
+            settings = TreeSettings.parse(c.tree, draft=c.drafter)
+            assert settings.policy.names == list(cands), (engine, flags)
+        sc = {"method": method[drafter], "num_speculative_tokens": _largest_budget(cands)}
+        if path is not None:
+            sc["model"] = str(path)
+        cmd = config.vllm_argv(c)
+        assert _arg(cmd, "--speculative-config") == sc
+        assert _arg(cmd, "--additional-config") == {"treespec": {"tree": "auto"}}
+        middleware = [cmd[i + 1] for i, w in enumerate(cmd) if w == "--middleware"]
+        assert middleware == [config.VLLM_MODELS_MIDDLEWARE, config.VLLM_METRICS_MIDDLEWARE]
+    # given candidates: the budget is the largest one's; tries only: no model is loaded
+    c = _vllm("--model", str(ms), "--draft-model", draft, "--tree", "auto:chain:2;ngram:budget=4")
+    assert _arg(config.vllm_argv(c), "--speculative-config")["num_speculative_tokens"] == 4
+    tries = "auto:ngram:budget=4;ngram:budget=8"
+    for engine in ("local", "vllm"):
+        c = config.resolve_config(["--engine", engine, "--model", str(ms), "--tree", tries])
+        assert (c.drafter, c.drafter_path) == ("ngram", None)
+    assert config.vllm_speculative_config(c) == {"method": "ngram", "num_speculative_tokens": 8}
+    # vLLM's own words give the same server
+    sc = json.dumps({"method": "eagle", "model": str(ms / "eagle"), "num_speculative_tokens": 16})
+    ac = json.dumps({"treespec": {"tree": "auto"}})
+    c2 = _vllm("--model", str(ms), "--speculative-config", sc, "--additional-config", ac)
+    assert config.vllm_argv(c2) == config.vllm_argv(_vllm("--model", str(ms), "--tree", "auto"))
+    ngram = '{"method": "ngram"}'
+    c = _vllm("--model", str(plain), "--speculative-config", ngram, "--tree", "auto")
+    want = {"method": "ngram", "num_speculative_tokens": _largest_budget(AUTO_TRIE_CANDIDATES)}
+    assert config.vllm_speculative_config(c) == want
+    # a fixed tree: no auto metrics middleware
+    cmd = config.vllm_argv(_vllm("--model", str(ms), "--tree", "chain:3"))
+    assert config.VLLM_METRICS_MIDDLEWARE not in cmd
+    # a measured auto policy serves a plain checkpoint with its tries
+    report = tmp_path / "e2e.json"
+    report.write_text(json.dumps({"best_policy": "auto"}))
+    c = _cfg("--model", str(plain), "--tree-from", str(report))
+    assert (c.tree, c.drafter) == ("auto", "ngram")
+
+
+AUTO_ERRORS = [
+    # (flags after --model, model kind, words the error names)
+    (["--tree", "auto:chain:4"], "plain", ["argument --tree", "chain:4", "needs a draft"]),
+    (["--tree", "auto", "--draft-sampling"], "set", ["argument --draft-sampling", "auto"]),
+    (
+        ["--additional-config", '{"treespec": {"tree": "auto", "draft_sampling": true}}'],
+        "set",
+        ["argument --additional-config", "auto"],
+    ),
+    (
+        ["--tree", "auto:chain:4", "--speculative-config", '{"method": "ngram"}'],
+        "plain",
+        ["argument --speculative-config", "chain:4", "'ngram'"],
+    ),
+    (["--tree", "auto:ngram:budget=8", "--eagle-head", "e"], "set", ["--eagle-head", "--tree"]),
+    (["--tree", "auto:none"], "set", ["argument --tree", "no candidate"]),
+    (["--tree", "auto:bogus:1"], "set", ["argument --tree", "bogus"]),
+    (["--tree", "auto:topk:k=2,depth=3,budget=6+sampled"], "set", ["argument --tree", "static"]),
+    (
+        [
+            "--speculative-config",
+            '{"method": "draft_model", "model": "d", "num_speculative_tokens": 4}',
+            "--additional-config",
+            '{"treespec": {"tree": "auto"}}',
+        ],
+        "set",
+        ["argument --speculative-config", "num_speculative_tokens=4", "budget 16"],
+    ),
+]
+
+
+@pytest.mark.parametrize("engine", ["local", "vllm"])
+@pytest.mark.parametrize("argv,model,named", AUTO_ERRORS, ids=[str(i) for i in range(9)])
+def test_tree_auto_bad_combinations_exit_2_naming_the_flag(
+    tmp_path, capsys, engine, argv, model, named
+):
+    root = _model_set(tmp_path) if model == "set" else _plain_checkpoint(tmp_path / "plain")
+    err = _fails(capsys, "--engine", engine, "--model", str(root), *argv)
+    for word in named:
+        assert word in err, err
+
+
+def test_auto_metrics_lines_render_prometheus_text():
+    from tree_dev.server.auto_metrics import auto_metrics_lines
+
+    stats = {
+        "steps": 3,
+        "choices": {"chain:4": 2, "none": 4},
+        "choices_by_class": {"greedy": {"chain:4": 2, "none": 1}, "sampled": {"none": 3}},
+        "measured_steps": 3,
+        "mean_predicted_s": 0.01,
+        "mean_measured_s": 0.012,
+        "mean_abs_rel_error": 0.2,
+        "last_predicted_s": 0.011,
+        "last_measured_s": 0.013,
+        "correction": 1.1,
+        "cost_model": {"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0},
+        "cost_model_measured": True,
+        "candidates": ["chain:4"],
+    }
+    text = "\n".join(auto_metrics_lines(stats))
+    samples = _samples(text)
+    assert samples["treespec_auto_steps_total"] == 3
+    assert samples['treespec_auto_choices_total{class="greedy",tree="chain:4"}'] == 2
+    assert samples['treespec_auto_choices_total{class="sampled",tree="none"}'] == 3
+    assert samples["treespec_auto_predicted_step_seconds"] == 0.01
+    assert samples["treespec_auto_measured_step_seconds"] == 0.012
+    assert samples["treespec_auto_cost_model_measured"] == 1
+    assert samples['treespec_auto_cost_model_coefficient{name="a"}'] == 0.01
+    for name in ("treespec_auto_steps_total", "treespec_auto_choices_total"):
+        assert f"# TYPE {name} counter" in text
+    # a tree name is an escaped label value
+    odd = auto_metrics_lines({"choices_by_class": {"greedy": {'pa"th\\': 1}}})
+    assert 'treespec_auto_choices_total{class="greedy",tree="pa\\"th\\\\"} 1' in odd
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{name{labels}: value}`` (comments skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_vllm_metrics_middleware_appends_auto_stats(gzipped):
+    """``treespec_metrics`` on an app shaped like vLLM's server (no engine started): vLLM's
+    /metrics text is kept, auto's statistics of the first worker follow; an engine without
+    auto, or whose RPC fails, leaves vLLM's text as it is."""
+    import gzip as gz
+
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+    from fastapi.testclient import TestClient
+
+    from tree_dev.server import vllm_front
+
+    vllm_text = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+
+    class Client:  # vLLM's engine client: collective_rpc returns one result per worker
+        def __init__(self, result):
+            self.result, self.calls = result, []
+
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            self.calls.append(method)
+            if isinstance(self.result, Exception):
+                raise self.result
+            return self.result
+
+    app = FastAPI()
+    app.middleware("http")(vllm_front.treespec_metrics)
+
+    @app.get("/metrics")
+    async def metrics():
+        if gzipped:
+            body = gz.compress(vllm_text.encode())
+            return Response(body, headers={"Content-Encoding": "gzip"}, media_type="text/plain")
+        return Response(vllm_text, media_type="text/plain; version=0.0.4")
+
+    auto = {"steps": 2, "choices_by_class": {"greedy": {"none": 1}, "sampled": {"chain:2": 1}}}
+    auto |= {"mean_predicted_s": 0.5, "mean_measured_s": 0.25, "cost_model_measured": False}
+    rank = {"tree": "auto", "auto": auto}
+    with TestClient(app) as http:
+        app.state.engine_client = Client([rank, rank])
+        r = http.get("/metrics")
+        assert r.status_code == 200 and r.text.startswith(vllm_text), r.text
+        assert r.headers["content-type"].startswith("text/plain")
+        s = _samples(r.text)
+        assert s['treespec_auto_choices_total{class="sampled",tree="chain:2"}'] == 1
+        assert s["treespec_auto_predicted_step_seconds"] == 0.5
+        assert s["treespec_auto_measured_step_seconds"] == 0.25
+        assert s["treespec_auto_cost_model_measured"] == 0
+        assert app.state.engine_client.calls == ["treespec_tree_stats"]
+        for result in ([{"tree": "chain:4"}], [{}], RuntimeError("engine dead")):
+            app.state.engine_client = Client(result)
+            r = http.get("/metrics")
+            assert r.status_code == 200 and r.text == vllm_text, r.text
+
+
+@pytest.fixture(scope="module")
+def auto_srv(threads):
+    """``serve.py --engine local --tree auto`` in-process on the committed tiny set (EAGLE
+    head): the flags, ``load_engine`` (auto's cost model measured at start-up, cached in
+    the session's ``TREESPEC_CACHE_DIR``) and the app, on a free port."""
+    cfg = config.resolve_config(
+        ["--engine", "local", "--tree", "auto", "--max-batch", "4", "--max-model-len", "256"]
+    )
+    engine, tok = server_app.load_engine(cfg)
+    app = server_app.create_app(engine, tok, cfg.served_model_name, cfg.info())
+    running = _start(app)
+    running.tok = tok
+    yield running
+    running.server.should_exit = True
+    running.thread.join(10)
+
+
+def test_local_server_with_tree_auto_serves_and_shows_its_choices(auto_srv, srv):
+    """Greedy and T=0.8 completions together: the greedy ones equal the target's plain
+    greedy output; /metrics shows auto's choices for both classes, summing to the
+    requests-steps the engine verified, and its predicted and measured step seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tree_dev.engine import Engine, SamplingParams
+
+    tok, base = auto_srv.tok, auto_srv.base
+    prompts = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    card = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]
+    assert (card["treespec"]["tree"], card["treespec"]["drafter"]) == ("auto", "eagle")
+
+    def complete(i: int) -> dict:
+        body = {"prompt": prompts[i % 4], "max_tokens": 12, "ignore_eos": True}
+        body |= {"temperature": 0 if i % 2 == 0 else 0.8, "seed": i, "return_token_ids": True}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(complete, range(6)))
+    _wait_idle(auto_srv)
+    for out in outs:
+        assert len(out["choices"][0]["token_ids"]) == 12
+        assert out["treespec"]["tree"] == "auto"
+    plain = Engine(auto_srv.engine.target, tree="none", max_model_len=256)
+    for i in range(0, 6, 2):
+        want = plain.generate([prompts[i % 4]], SamplingParams(max_tokens=12, ignore_eos=True))
+        assert outs[i]["choices"][0]["token_ids"] == want[0], i
+    s = _samples(httpx.get(base + "/metrics", timeout=10).text)
+    choices = {k: v for k, v in s.items() if k.startswith("treespec_auto_choices_total{")}
+    assert sum(choices.values()) == s["treespec_accepted_length_count"] > 0, choices
+    assert {k.split('class="')[1].split('"')[0] for k in choices} == {"greedy", "sampled"}
+    assert sum(v for k, v in choices.items() if 'tree="none"' not in k) > 0, choices
+    steps = s["treespec_auto_steps_total"]
+    assert 0 < steps == s["treespec_auto_measured_steps_total"]
+    assert steps <= s["treespec_step_latency_seconds_count"]
+    assert s["treespec_auto_predicted_step_seconds"] > 0
+    assert s["treespec_auto_measured_step_seconds"] > 0
+    stats = auto_srv.engine.auto_stats()  # the engine's own count agrees (it is idle)
+    assert sum(stats["choices"].values()) == sum(choices.values())
+    # a fixed tree's server shows no auto metrics
+    assert "treespec_auto_" not in httpx.get(srv.base + "/metrics", timeout=10).text

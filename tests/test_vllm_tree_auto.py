@@ -3,9 +3,10 @@ trie or a draft-model tree; lossless greedy with sampled requests in the same ba
 exact sampling at T=0.8, the choices and the cost model's predicted vs measured step
 seconds in the stats, the cost model refitted on this machine's steps and cached.
 
-One eager engine: the committed target with the committed draft LM as vLLM's
-``draft_model`` proposer, ``tree: auto`` (its model candidates; 16 draft nodes for the
-largest), up to 8 concurrent requests.
+Two eager engines, one after the other: the committed target with the committed draft
+LM as vLLM's ``draft_model`` proposer, then with the exported EAGLE head as ``eagle``;
+``tree: auto`` (its model candidates; 16 draft nodes for the largest), up to 8
+concurrent requests.
 """
 
 from __future__ import annotations
@@ -37,13 +38,21 @@ def reference():
     return plain_outputs(PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def llm(reference):
+@pytest.fixture(scope="module", params=["draft_model", "eagle"])
+def llm(request, reference):
+    """One engine per draft: the draft LM, then the EAGLE head (its features must follow
+    requests that draft on some steps and not on others)."""
+    if request.param == "eagle":
+        from tree_dev.models.export_vllm import export_eagle_for_vllm
+
+        model = str(export_eagle_for_vllm())
+    else:
+        model = DRAFT
     engine = make_llm(
         max_num_seqs=8,
         speculative_config={
-            "method": "draft_model",
-            "model": DRAFT,
+            "method": request.param,
+            "model": model,
             "num_speculative_tokens": 16,
         },
         additional_config={"treespec": {"tree": "auto"}},

@@ -321,7 +321,7 @@ class Engine:
     def auto_stats(self) -> dict | None:
         """``tree: auto``'s choices and its cost model's predicted vs measured step seconds
         (``auto.AutoStats.as_dict``); None for a fixed tree."""
-        return None if self.auto is None else self.auto.auto.stats.as_dict()
+        return None if self.auto is None else self.auto.stats
 
     def _release(self, req: Request) -> None:
         if self.auto is not None:

@@ -27,6 +27,7 @@ from tree_dev.auto import (
     cache_key,
     load_cost_model,
     save_cost_model,
+    unmatched_tries,
 )
 from tree_dev.requests import Request, SamplingParams
 from tree_dev.spec import AutoTreePolicy, NgramPolicy, NoDraftPolicy, Policy
@@ -70,13 +71,26 @@ class LocalAuto:
     def candidates(self) -> list[Candidate]:
         return self.auto.candidates
 
+    @property
+    def stats(self) -> dict:
+        """``AutoStats.as_dict`` with the candidates and the cost model's coefficients (the
+        same keys as the vLLM plugin's ``treespec_tree_stats()["auto"]``)."""
+        out = self.auto.stats.as_dict()
+        out["candidates"] = [c.name for c in self.candidates]
+        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcd"}
+        out["cost_model_measured"] = self.measured
+        return out
+
     def choose(self, batch: Sequence[Request]) -> list[Policy]:
         """Per request, this step's tree; sets ``sampled_drafts`` where the pick draws a
         sampled request's drafts from the draft model."""
         if self._forced is not None:
             picks = [self._forced] * len(batch)
         else:
-            chosen = self.auto.choose([(r.req_id, r.params.temperature) for r in batch])
+            cands = self.candidates
+            unavailable = {r.req_id: unmatched_tries(r.prompt + r.output, cands) for r in batch}
+            reqs = [(r.req_id, r.params.temperature) for r in batch]
+            chosen = self.auto.choose(reqs, unavailable)
             picks = [chosen[r.req_id] for r in batch]
         for r, c in zip(batch, picks):
             r.sampled_drafts = c.sampled_drafts and r.mode != "greedy"

@@ -266,6 +266,33 @@ def tree_of(parents: tuple[int, ...]) -> TokenTree:
 SEPARATOR = -1  # between the streams of an ``NgramHistory``: matches nothing, ends a path
 
 
+def has_ngram_match(context: Sequence[int], policy: NgramPolicy) -> bool:
+    """Whether ``ngram_trie(context, policy)`` (no history) has a node besides the root:
+    the context's last ``policy.min_n`` tokens occur earlier with a token after them.
+    Cheap (C-level ``list.index`` scans): ``tree: auto`` asks it of every request before
+    choosing, so a trie that would find nothing is not offered.
+
+    >>> p = NgramPolicy(budget=4, spec="ngram:budget=4")
+    >>> has_ngram_match([5, 6, 7, 5], p), has_ngram_match([5, 6, 7, 8], p)
+    (True, False)
+    """
+    ctx = context if isinstance(context, list) else list(context)
+    n = max(int(policy.min_n), 1)
+    last = len(ctx) - n  # the suffix itself starts here; a match starts before it
+    if last <= 0 or policy.max_n < 1:
+        return False
+    suffix = ctx[last:]
+    start = 0
+    while True:
+        try:
+            j = ctx.index(suffix[0], start, last)
+        except ValueError:
+            return False
+        if ctx[j : j + n] == suffix:
+            return True
+        start = j + 1
+
+
 def ngram_matches(context: Sequence[int], policy: NgramPolicy) -> list[tuple[int, int]]:
     """The n-gram matches of the context's suffix, best first.
 

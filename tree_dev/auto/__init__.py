@@ -48,6 +48,7 @@ from tree_dev.auto.shapes import (
     policy_shape,
     temperature_class,
     tree_depth,
+    unmatched_tries,
 )
 
 __all__ = [
@@ -73,4 +74,5 @@ __all__ = [
     "save_cost_model",
     "temperature_class",
     "tree_depth",
+    "unmatched_tries",
 ]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -202,10 +202,16 @@ class AutoPolicy:
         self._shape = Shape(0, 0, 0)
         self._predicted = 0.0
 
-    def expected_row(self, req_id: Any, cls: str) -> list[float | None]:
-        """Expected tokens of every candidate for ``req_id`` (None: not for its class; the
-        candidate this step offers as a probe, if any, at its upper bound)."""
-        allowed = [not (c.sampled_drafts and cls == "greedy") for c in self.candidates]
+    def expected_row(
+        self, req_id: Any, cls: str, unavailable: Collection[str] = ()
+    ) -> list[float | None]:
+        """Expected tokens of every candidate for ``req_id`` (None: not for its class, or
+        in ``unavailable``; the candidate this step offers as a probe, if any, at its upper
+        bound)."""
+        allowed = [
+            not (c.sampled_drafts and cls == "greedy") and c.name not in unavailable
+            for c in self.candidates
+        ]
         drafting = [c.name for c, ok in zip(self.candidates, allowed) if ok and c.depth > 0]
         probe = self.tracker.probe(req_id, cls, drafting)
         row: list[float | None] = []
@@ -231,10 +237,20 @@ class AutoPolicy:
         idle = max(self._req_step.get(req_id, 0) - int(d[2]), 0)
         return 1.0 - (1.0 - ratio) * self.drift_recover**idle
 
-    def choose(self, requests: Sequence[tuple[Any, float]]) -> dict[Any, Candidate]:
-        """``[(req_id, temperature), ...]`` -> per request its candidate for this step."""
+    def choose(
+        self,
+        requests: Sequence[tuple[Any, float]],
+        unavailable: Mapping[Any, Collection[str]] | None = None,
+    ) -> dict[Any, Candidate]:
+        """``[(req_id, temperature), ...]`` -> per request its candidate for this step.
+        ``unavailable``: per request, candidates that cannot run for it this step (an
+        n-gram trie that finds no match: ``proposer.has_ngram_match``); they are neither
+        chosen nor learnt from, so a trie's counts are those of steps where it matched."""
         classes = [temperature_class(t) for _, t in requests]
-        expected = [self.expected_row(rid, cls) for (rid, _), cls in zip(requests, classes)]
+        no = unavailable or {}
+        expected = [
+            self.expected_row(rid, cls, no.get(rid, ())) for (rid, _), cls in zip(requests, classes)
+        ]
         picks = choose(expected, self.candidates, self.cost_model)
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
         self._raw = {(rid, c.name): self._raw[rid, c.name] for rid, (c, _) in self._pending.items()}

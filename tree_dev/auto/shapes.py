@@ -3,11 +3,12 @@ draft levels, draft rows), its depth, and the ``Candidate`` list ``choose`` pick
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from tree_dev.proposer import has_ngram_match
 from tree_dev.spec import (
     AutoTreePolicy,
     HybridPolicy,
@@ -121,6 +122,22 @@ class Candidate:
     @cached_property
     def depth(self) -> int:
         return tree_depth(self.policy)
+
+
+def unmatched_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> set[str]:
+    """Names of the n-gram trie candidates (without ``history=``) that find no match in
+    ``context`` this step (``proposer.has_ngram_match``): ``AutoPolicy.choose``'s
+    ``unavailable`` for the request. One scan per distinct ``min_n``."""
+    out: set[str] = set()
+    found: dict[int, bool] = {}
+    for c in candidates:
+        p = c.policy
+        if isinstance(p, NgramPolicy) and not p.history:
+            if p.min_n not in found:
+                found[p.min_n] = has_ngram_match(context, p)
+            if not found[p.min_n]:
+                out.add(c.name)
+    return out
 
 
 def make_candidates(

@@ -4,6 +4,7 @@
   ``vllm_argv`` maps it onto vLLM's server arguments.
 - ``protocol``: OpenAI request schemas and error bodies (local engine).
 - ``worker``: the thread that owns the local ``Engine``, and ``/metrics``.
+- ``auto_metrics``: ``tree: auto``'s statistics as Prometheus text (both engines).
 - ``app``: the local engine's FastAPI app (``create_app``) and ``load_engine``.
 - ``vllm_front``: ``--engine vllm`` runs vLLM's own OpenAI server (``exec_vllm``).
 - ``gates``: start-up warnings from the stage gates report.

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tree_dev.spec import DRAFT_OF_VLLM_METHOD, TreeSettings, is_ngram
+from tree_dev.spec import (
+    DRAFT_OF_VLLM_METHOD,
+    AutoTreePolicy,
+    TreeSettings,
+    is_ngram,
+    parse_tree_spec,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_SET = REPO / "checkpoints" / "stdlib-v1"
@@ -51,6 +57,8 @@ VLLM_METHODS = {**DRAFT_OF_VLLM_METHOD, "eagle3": "eagle"}
 SGLANG_ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle", "STANDALONE": "draft", "NGRAM": "ngram"}
 #: ASGI middleware (an import path) that vLLM's server loads to describe the policy.
 VLLM_MODELS_MIDDLEWARE = "tree_dev.server.vllm_front.treespec_models"
+#: ASGI middleware that adds ``tree: auto``'s statistics to vLLM's ``/metrics`` (auto only).
+VLLM_METRICS_MIDDLEWARE = "tree_dev.server.vllm_front.treespec_metrics"
 
 #: The chat template of a tokenizer without one (the tiny stdlib tokenizer), in both
 #: engines: every message as ``"{role}: {content}\n"``, then ``"assistant:"``.
@@ -66,11 +74,12 @@ log = logging.getLogger("treespec.serve")
 class ServeConfig:
     """Everything ``main`` needs, after flag mapping and defaults.
 
-    ``drafter`` is ``"eagle"``, ``"draft"`` (a small LM), ``"ngram"`` (no model) or
-    ``None`` (``tree == "none"``). ``speculative_extra`` / ``additional_extra`` are the
-    keys of vLLM's ``--speculative-config`` / ``--additional-config`` that are passed
-    to vLLM as they are (the local engine ignores them); ``vllm_args`` are the words
-    after ``--`` on the command line, appended to vLLM's.
+    ``drafter`` is ``"eagle"``, ``"draft"`` (a small LM), ``"ngram"`` (no model: the n-gram
+    trie, or ``auto`` choosing among tries) or ``None`` (``tree == "none"``).
+    ``speculative_extra`` / ``additional_extra`` are the keys of vLLM's
+    ``--speculative-config`` / ``--additional-config`` that are passed to vLLM as they
+    are (the local engine ignores them); ``vllm_args`` are the words after ``--`` on the
+    command line, appended to vLLM's.
     """
 
     model: Path
@@ -162,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="local: cpu, cuda, cuda:1 ... (auto: cuda)")
     t = p.add_argument_group("tree policy")
     t.add_argument(
-        "--tree", help="tree spec: none, chain:K, paths:[...], medusa:NAME, topk:..., ngram:..."
+        "--tree",
+        help="tree spec: none, chain:K, paths:[...], medusa:NAME, topk:..., ngram:..., "
+        "hybrid:..., or auto (per step and request the tree, or none, of the best expected "
+        "tokens per second; auto:TREE;TREE;... lists its candidates)",
     )
     t.add_argument(
         "--tree-from",
@@ -222,6 +234,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+# --------------------------------------------------------------------------- tree kinds
+def auto_policy(tree: str | None) -> AutoTreePolicy | None:
+    """``tree`` parsed when it is ``auto`` or ``auto:TREE;...``, else None (a spec that does
+    not parse too: its parse names the error where the flag is checked)."""
+    if tree is None:
+        return None
+    try:
+        policy = parse_tree_spec(tree)
+    except ValueError:
+        return None
+    return policy if isinstance(policy, AutoTreePolicy) else None
+
+
+def trie_only(tree: str | None) -> bool:
+    """Whether ``tree`` drafts only from the text itself (the ``"ngram"`` draft, never a
+    model, whatever the model set holds): an n-gram trie, or ``auto:...`` listing only
+    tries."""
+    if is_ngram(tree):
+        return True
+    auto = auto_policy(tree)
+    return auto is not None and auto.given and not auto.needs_model
+
+
+def runs_without_model(tree: str | None) -> bool:
+    """Whether ``tree`` runs on a checkpoint with no draft model: ``none``, a trie-only tree
+    (``trie_only``), or ``auto`` with its default candidates (then its n-gram tries)."""
+    auto = auto_policy(tree)
+    return tree == "none" or trie_only(tree) or (auto is not None and not auto.given)
 
 
 # --------------------------------------------------------------------------- best policies
@@ -307,7 +349,7 @@ def _measured_policy(
         spec, source = read_best_policy(report)
     except ValueError as e:
         parser.error(f"argument --tree-from: {e}")
-    kind = "ngram" if is_ngram(spec) else read_best_drafter(report)
+    kind = "ngram" if trie_only(spec) else read_best_drafter(report)
     return kind, spec, source, False
 
 
@@ -398,7 +440,7 @@ def _vllm_speculative_config(
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise _FlagError(f"argument {flag}: num_speculative_tokens must be an integer >= 1")
     if plugin_tree is not None:
-        _check_plugin_budget(flag, plugin_tree, k, tree_raw)
+        _check_plugin_budget(flag, plugin_tree, k, tree_raw, drafter[0] if drafter else None)
         return None, drafter, sc
     if tree_raw is not None:
         return _token_tree_spec(flag, tree_raw, k), drafter, sc
@@ -422,15 +464,23 @@ def _vllm_drafter(flag: str, method: str | None, model: Any) -> tuple[str, Path 
     return None
 
 
-def _check_plugin_budget(flag: str, plugin_tree: str, k: int | None, tree_raw: Any) -> None:
-    """With the plugin's tree, ``num_speculative_tokens`` is its budget; no vLLM tree."""
+def _check_plugin_budget(
+    flag: str, plugin_tree: str, k: int | None, tree_raw: Any, draft: str | None
+) -> None:
+    """With the plugin's tree, ``num_speculative_tokens`` is its budget; no vLLM tree.
+    ``draft``: the kind of ``--speculative-config``'s method, which resolves ``auto``'s
+    candidates (and so its budget: the largest one's)."""
     if tree_raw is not None:
         raise _FlagError(
             f"argument {flag}: speculative_token_tree not allowed with "
             "--additional-config's treespec tree"
         )
     try:
-        settings = TreeSettings.parse(plugin_tree)
+        if draft is not None and auto_policy(plugin_tree) is not None:
+            field = f"--speculative-config's {draft!r} draft"
+            settings = TreeSettings.parse(plugin_tree, draft=draft, draft_field=field)
+        else:
+            settings = TreeSettings.parse(plugin_tree)
     except ValueError as e:
         raise _FlagError(f"argument --additional-config: treespec tree: {e}") from None
     if k is not None:
@@ -543,6 +593,12 @@ class _Policy:
     drafter_flag: str | None = None
     source: str | None = None
     draft_sampling: bool = False
+    sampling_flag: str = "--draft-sampling"  # which flag turned draft sampling on
+
+    def sample_drafts(self, on: bool, flag: str) -> None:
+        """Turn draft sampling on (when ``on``), set by ``flag`` unless already on."""
+        if on and not self.draft_sampling:
+            self.draft_sampling, self.sampling_flag = True, flag
 
 
 def resolve_config(argv: list[str] | None = None) -> ServeConfig:
@@ -609,7 +665,7 @@ def _policy_from_flags(
     """The tree and draft the flags give (project, vLLM and SGLang forms), with vLLM's
     extra keys; two flags that disagree are an error naming both."""
     try:
-        trees, drafters, spec_extra, add_extra, draft_sampling = _flag_policies(a)
+        trees, drafters, spec_extra, add_extra, sampling_flag = _flag_policies(a)
     except _FlagError as e:
         parser.error(str(e))
     if engine == "local":
@@ -620,7 +676,7 @@ def _policy_from_flags(
             for k in sorted(extra):
                 log.warning("%s: ignoring key %r (not used by the local engine)", key, k)
     tree_flag, tree = _one_tree(parser, trees)
-    if is_ngram(tree):  # the n-gram trie drafts from the text itself: no model
+    if trie_only(tree):  # the n-gram trie drafts from the text itself: no model
         drafters.setdefault(tree_flag, ("ngram", None))
     if len(drafters) > 1:
         (f1, d1), (f2, d2) = list(drafters.items())[:2]
@@ -634,19 +690,20 @@ def _policy_from_flags(
         drafter=next(iter(drafters.values()), None),
         drafter_flag=next(iter(drafters), None),
         source=tree_flag,
-        draft_sampling=draft_sampling,
     )
+    pol.sample_drafts(sampling_flag is not None, sampling_flag or "--draft-sampling")
     return pol, spec_extra, add_extra
 
 
-def _flag_policies(a: argparse.Namespace) -> tuple[dict, dict, dict, dict, bool]:
+def _flag_policies(a: argparse.Namespace) -> tuple[dict, dict, dict, dict, str | None]:
     """Every tree (flag -> spec) and draft (flag -> (kind, path)) the flags name, vLLM's
-    extra keys of ``--speculative-config`` and ``--additional-config``, draft sampling."""
+    extra keys of ``--speculative-config`` and ``--additional-config``, and the flag that
+    turned draft sampling on (None: off)."""
     trees: dict[str, str] = {}
     drafters: dict[str, tuple[str, Path | None]] = {}
     spec_extra: dict[str, Any] = {}
     add_extra: dict[str, Any] = {}
-    draft_sampling = a.draft_sampling
+    sampling_flag = "--draft-sampling" if a.draft_sampling else None
     if a.tree is not None:
         trees["--tree"] = a.tree
     if a.draft_model is not None:
@@ -656,7 +713,8 @@ def _flag_policies(a: argparse.Namespace) -> tuple[dict, dict, dict, dict, bool]
     plugin_tree = None
     if a.additional_config is not None:
         plugin_tree, sampling, add_extra = _additional_config(a.additional_config)
-        draft_sampling = draft_sampling or sampling
+        if sampling and sampling_flag is None:
+            sampling_flag = "--additional-config"
         if plugin_tree is not None:
             trees["--additional-config"] = plugin_tree
     if a.speculative_config is not None:
@@ -678,7 +736,7 @@ def _flag_policies(a: argparse.Namespace) -> tuple[dict, dict, dict, dict, bool]
             trees[flag] = spec
         if drafter is not None:
             drafters["--speculative-draft-model-path"] = drafter
-    return trees, drafters, spec_extra, add_extra, draft_sampling
+    return trees, drafters, spec_extra, add_extra, sampling_flag
 
 
 def _one_tree(
@@ -735,14 +793,14 @@ def _apply_defaults(
         pol.tree, pol.source = PLAIN_MODEL_DEFAULT_TREE, "default for a model without a draft"
         if measured is not None:
             _, pol.tree, pol.source, sampled = measured
-            pol.draft_sampling = pol.draft_sampling or sampled
-            if pol.tree != "none" and not is_ngram(pol.tree):
+            pol.sample_drafts(sampled, "--tree-from")
+            if not runs_without_model(pol.tree):
                 parser.error(
                     f"argument --tree-from: the {pol.source} is {pol.tree!r}, which needs a "
                     f"draft; {model} is a plain checkpoint without one (was the report "
                     "measured on another model?)"
                 )
-        pol.drafter = ("ngram", None) if is_ngram(pol.tree) else None
+        pol.drafter = None if pol.tree == "none" else ("ngram", None)
     if pol.tree is None:
         if pol.drafter is None:
             pol.tree, pol.source = "none", "no draft given"
@@ -751,6 +809,8 @@ def _apply_defaults(
             pol.source = f"default for a vLLM {pol.drafter[0]} draft"
         else:
             pol.tree, pol.source = DEFAULT_TREE, f"default for a local {pol.drafter[0]} draft"
+    if pol.drafter is None and auto_policy(pol.tree) is not None and runs_without_model(pol.tree):
+        pol.drafter = ("ngram", None)  # auto without a draft model: its n-gram tries
     return model, tokenizer
 
 
@@ -764,7 +824,7 @@ def _model_set_defaults(
         pol.source, sampled = "default for a vLLM model set", False
         if measured is not None:
             kind, pol.tree, pol.source, sampled = measured
-        pol.draft_sampling = pol.draft_sampling or sampled
+        pol.sample_drafts(sampled, "--tree-from")
         if kind is not None:
             pol.drafter = (kind, None if kind == "ngram" else model / kind)
     elif measured is not None and pol.tree is None:
@@ -783,8 +843,9 @@ def _model_set_defaults(
 
 def _check_policy(parser: argparse.ArgumentParser, engine: str, pol: _Policy) -> None:
     """A tree the engine cannot run with its draft (``TreeSettings.parse``: the draft
-    sampling rules, ``check_draft``; vLLM runs a ``chain:K`` on its own proposers, the
-    local engine drafts n-grams as a trie) is an error naming the flag."""
+    sampling rules, ``check_draft``, ``auto``'s candidates against the draft; vLLM runs a
+    ``chain:K`` on its own proposers, the local engine drafts n-grams as a trie) is an
+    error naming the flag."""
     kind = pol.drafter[0] if pol.drafter is not None else None
     flag = (pol.drafter_flag if kind is not None else pol.tree_flag) or pol.source
     try:
@@ -793,11 +854,16 @@ def _check_policy(parser: argparse.ArgumentParser, engine: str, pol: _Policy) ->
             pol.draft_sampling,
             draft=kind,
             builtin_chains=engine == "vllm",
-            sampling_field="argument --draft-sampling:",
+            sampling_field=f"argument {pol.sampling_flag}:",
             draft_field=f"argument {flag}",
         )
     except ValueError as e:
         parser.error(str(e))
+    if isinstance(settings.policy, AutoTreePolicy) and not settings.policy.candidates:
+        parser.error(
+            f"argument {pol.tree_flag or pol.source}: tree {pol.tree!r} has no candidate "
+            "besides none (give auto:TREE;TREE;..., or none)"
+        )
     if engine == "vllm" and settings.uses_plugin and not vllm_plugin_available():
         parser.error(
             f"argument {pol.source}: tree {pol.tree!r} needs the project's vLLM tree plugin "
@@ -905,8 +971,9 @@ def vllm_argv(cfg: ServeConfig) -> list[str]:
     """Arguments of ``python -m vllm.entrypoints.openai.api_server`` serving ``cfg``.
 
     ``vllm_engine_kwargs`` as flags, the server's own flags (host, port, model name,
-    the ``/v1/models`` middleware, the plain chat template for a tokenizer without
-    one), then ``cfg.vllm_args`` (the words after ``--``), last so that they win.
+    the ``/v1/models`` middleware, with ``tree: auto`` the ``/metrics`` one, the plain
+    chat template for a tokenizer without one), then ``cfg.vllm_args`` (the words after
+    ``--``), last so that they win.
     """
     argv: list[str] = []
     kw = vllm_engine_kwargs(cfg)
@@ -919,6 +986,8 @@ def vllm_argv(cfg: ServeConfig) -> list[str]:
     argv += ["--served-model-name", cfg.served_model_name, "--host", cfg.host]
     argv += ["--port", str(cfg.port), "--uvicorn-log-level", cfg.log_level]
     argv += ["--middleware", VLLM_MODELS_MIDDLEWARE]
+    if auto_policy(cfg.tree) is not None:  # auto's choices and step seconds in /metrics
+        argv += ["--middleware", VLLM_METRICS_MIDDLEWARE]
     if not has_chat_template(Path(kw.get("tokenizer", cfg.model))):
         argv += ["--chat-template", PLAIN_CHAT_TEMPLATE]
     return argv + list(cfg.vllm_args)

@@ -7,13 +7,19 @@ point, from ``--speculative-config`` / ``--additional-config``). The only additi
 ``treespec_models``, an HTTP middleware that vLLM loads through its public
 ``--middleware`` option: it adds a ``treespec`` object (engine, tree, draft) to every
 model card of ``GET /v1/models``. It reads that object from the environment variable
-``TREESPEC_SERVE_INFO`` (JSON), which ``exec_vllm`` sets. This module never imports
+``TREESPEC_SERVE_INFO`` (JSON), which ``exec_vllm`` sets. With ``tree: auto`` a second
+middleware, ``treespec_metrics``, appends auto's statistics (choices per request class,
+predicted vs measured step seconds, ``auto_metrics.auto_metrics_lines``) to vLLM's
+``GET /metrics``: it asks the engine's workers for them (``treespec_tree_stats``, key
+``"auto"``, through the engine client's ``collective_rpc``). This module never imports
 vLLM.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import logging
 import os
 import sys
 from dataclasses import replace
@@ -23,10 +29,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tree_dev.server.auto_metrics import auto_metrics_lines
 from tree_dev.server.config import ServeConfig, vllm_argv
 
 INFO_ENV = "TREESPEC_SERVE_INFO"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The longest a ``GET /metrics`` waits for the workers' tree statistics.
+TREE_STATS_TIMEOUT_S = 10.0
+
+log = logging.getLogger("treespec.serve")
 
 
 def is_project_eagle_head(path: Path | None) -> bool:
@@ -117,3 +128,44 @@ async def treespec_models(request: Request, call_next) -> Response:
         if isinstance(card, dict):
             card["treespec"] = info
     return JSONResponse(payload, status_code=response.status_code)
+
+
+async def _auto_stats(request: Request) -> dict[str, Any] | None:
+    """``tree: auto``'s statistics of the first worker (``treespec_tree_stats``' ``"auto"``
+    key) through vLLM's engine client (``app.state.engine_client``); None when the engine
+    has no auto tree or cannot be asked (logged)."""
+    client = getattr(request.app.state, "engine_client", None)
+    if client is None:
+        return None
+    try:
+        results = await client.collective_rpc("treespec_tree_stats", timeout=TREE_STATS_TIMEOUT_S)
+    except Exception as e:  # /metrics keeps serving vLLM's own metrics
+        log.warning("/metrics: treespec_tree_stats failed: %s: %s", type(e).__name__, e)
+        return None
+    first = results[0] if isinstance(results, list | tuple) and results else None
+    stats = first.get("auto") if isinstance(first, dict) else None
+    return stats if isinstance(stats, dict) else None
+
+
+async def treespec_metrics(request: Request, call_next) -> Response:
+    """HTTP middleware: ``GET /metrics`` gains ``tree: auto``'s statistics
+    (``auto_metrics_lines``) after vLLM's own, as plain Prometheus text."""
+    response = await call_next(request)
+    if request.method != "GET" or request.url.path.rstrip("/") != "/metrics":
+        return response
+    if response.status_code != 200:
+        return response
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    headers = {
+        k: v
+        for k, v in response.headers.items()
+        if k.lower() not in ("content-length", "content-encoding")
+    }
+    if response.headers.get("content-encoding") == "gzip":
+        body = gzip.decompress(body)
+    stats = await _auto_stats(request)
+    if stats is not None:
+        if body and not body.endswith(b"\n"):
+            body += b"\n"
+        body += ("\n".join(auto_metrics_lines(stats)) + "\n").encode()
+    return Response(body, status_code=response.status_code, headers=headers)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tree_dev.server.auto_metrics import auto_metrics_lines
 from tree_dev.step import DepthStats
 
 log = logging.getLogger("treespec.serve")
@@ -24,7 +25,11 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 
 class Metrics:
-    """Counters for ``GET /metrics`` (Prometheus text format 0.0.4), written by hand."""
+    """Counters for ``GET /metrics`` (Prometheus text format 0.0.4), written by hand.
+
+    ``auto``: with ``tree: auto``, the engine's latest ``auto_stats()`` (snapshotted by the
+    engine thread after each step), rendered by ``auto_metrics_lines``; None otherwise.
+    """
 
     def __init__(self, max_accept: int):
         self.lock = threading.Lock()
@@ -42,6 +47,12 @@ class Metrics:
         self.depth = DepthStats()  # per-depth acceptance over every verify step
         self.running = 0
         self.waiting = 0
+        self.auto: dict[str, Any] | None = None
+
+    def observe_auto(self, stats: dict[str, Any] | None) -> None:
+        """``tree: auto``'s statistics after a step (None: the tree is not auto)."""
+        with self.lock:
+            self.auto = stats
 
     def observe_step(self, seconds: float) -> None:
         with self.lock:
@@ -112,6 +123,8 @@ class Metrics:
             ]
             for d, rate in enumerate(self.depth.acceptance_per_depth()):
                 lines.append(f'treespec_acceptance_per_depth{{depth="{d + 1}"}} {rate}')
+            if self.auto is not None:
+                lines += auto_metrics_lines(self.auto)
             return "\n".join(lines) + "\n"
 
 
@@ -138,6 +151,11 @@ class EngineWorker:
         self.engine = engine
         self.metrics = metrics
         engine.on_step(self._observe)
+        # tree: auto's statistics (None for a fixed tree), read in the engine's thread
+        stats_of = getattr(engine, "auto_stats", None)
+        first = stats_of() if stats_of is not None else None
+        self._auto_stats = stats_of if first is not None else None
+        metrics.observe_auto(first)
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, Job] = {}
         self._stop = threading.Event()
@@ -209,6 +227,8 @@ class EngineWorker:
         t0 = time.perf_counter()
         outs = eng.step()
         self.metrics.observe_step(time.perf_counter() - t0)
+        if self._auto_stats is not None:  # before the step's tokens reach their clients
+            self.metrics.observe_auto(self._auto_stats())
         for o in outs:
             job = self._jobs.get(o.req_id)
             if job is None:

@@ -136,13 +136,16 @@ class VllmAuto:
                 self._maybe_refit()
         self._events, self._chosen, self._draft_s = [], {}, None
 
-    def choose(self, requests: list[tuple[str, float]]) -> dict[str, Candidate]:
-        """``[(request id, temperature), ...]`` -> this step's candidate per request."""
+    def choose(
+        self, requests: list[tuple[str, float]], unavailable: dict | None = None
+    ) -> dict[str, Candidate]:
+        """``[(request id, temperature), ...]`` -> this step's candidate per request
+        (``unavailable``: as ``AutoPolicy.choose``)."""
         self._t_choose = time.perf_counter()
         if self._forced is not None:
             self._chosen = dict.fromkeys((rid for rid, _ in requests), self._forced)
         else:
-            self._chosen = self.auto.choose(requests)
+            self._chosen = self.auto.choose(requests, unavailable)
         return self._chosen
 
     def forget(self, req_id: str) -> None:
@@ -200,8 +203,9 @@ def calibrate_auto(
     and cached (``$TREESPEC_CACHE_DIR/auto``). Skipped when the worker already has a
     measured (cached) model, unless ``force``. Returns the worker's auto statistics.
 
-    ``serve.py --engine vllm --tree auto`` calls it at start-up; without it, the worker
-    refits online from the steps it serves.
+    ``bench.auto_policy`` calls it after an auto engine starts; without it (``serve.py
+    --engine vllm`` hands over to vLLM's own server), the worker refits online from the
+    steps it serves, starting from the cached model when there is one.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
