@@ -20,6 +20,24 @@ from tree_dev.testing import (
 BACKENDS = list(KERNEL_BACKENDS)  # every kernel test runs these against kernels.reference
 
 
+def engine_models():
+    """The local-engine tests' models: ``(target, reference, draft)``: a tiny Llama, an
+    untouched copy of it (the greedy reference), and the draft: the target with weights
+    perturbed (accepted paths of every length, rejections and bonus tokens all occur)."""
+    return tiny_llama(0), tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
+
+
+def prompts_with_greedy(reference, n: int = 50, vocab: int = 64, max_tokens: int = 12):
+    """``(prompts, greedy outputs)``: ``n`` seeded random prompts of 1-39 tokens and the
+    reference's HF greedy continuation of each (``max_tokens``)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(0, vocab, (int(k),), generator=gen).tolist()
+        for k in torch.randint(1, 40, (n,), generator=gen)
+    ]
+    return prompts, [hf_greedy(reference, p, max_tokens) for p in prompts]
+
+
 def first_token_counts(
     engine, prompt: list[int], draws: int, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -52,9 +70,11 @@ def chisquare_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
 __all__ = [
     "BACKENDS",
     "chisquare_pvalue",
+    "engine_models",
     "first_token_counts",
     "hf_greedy",
     "perturbed",
+    "prompts_with_greedy",
     "random_tree",
     "tiny_llama",
     "tiny_llama_config",

@@ -12,7 +12,15 @@ import copy
 import pytest
 import torch
 
-from tests.factories import chisquare_pvalue, first_token_counts, hf_greedy, perturbed, tiny_llama
+from tests.factories import (
+    chisquare_pvalue,
+    engine_models,
+    first_token_counts,
+    hf_greedy,
+    perturbed,
+    prompts_with_greedy,
+    tiny_llama,
+)
 from tree_dev.engine import Engine, SamplingParams
 
 VOCAB = 64
@@ -33,21 +41,12 @@ POLICIES = [
 
 @pytest.fixture(scope="module")
 def models():
-    target = tiny_llama(0)
-    reference = tiny_llama(0)  # same weights, untouched attention implementation
-    draft = perturbed(tiny_llama(0), 0.3, seed=1)
-    return target, reference, draft
+    return engine_models()
 
 
 @pytest.fixture(scope="module")
 def prompts_and_greedy(models):
-    _, reference, _ = models
-    gen = torch.Generator().manual_seed(7)
-    prompts = [
-        torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
-        for n in torch.randint(1, 40, (50,), generator=gen)
-    ]
-    return prompts, [hf_greedy(reference, p, 12) for p in prompts]
+    return prompts_with_greedy(models[1])
 
 
 @pytest.mark.parametrize("spec", POLICIES)

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 import tree_dev.engine_auto as engine_auto
-from tests.factories import chisquare_pvalue, first_token_counts, hf_greedy, perturbed, tiny_llama
+from tests.factories import (
+    chisquare_pvalue,
+    engine_models,
+    first_token_counts,
+    perturbed,
+    prompts_with_greedy,
+    tiny_llama,
+)
 from tree_dev.auto import CostModel, cache_path
 from tree_dev.engine import Engine, SamplingParams
 from tree_dev.models.eagle import EagleHead
@@ -28,18 +35,12 @@ PAYS = CostModel(a=0.010, b=0.0001, c=0.0005, d=0.00002)
 
 @pytest.fixture(scope="module")
 def models():
-    return tiny_llama(0), tiny_llama(0), perturbed(tiny_llama(0), 0.3, seed=1)
+    return engine_models()
 
 
 @pytest.fixture(scope="module")
 def prompts_and_greedy(models):
-    _, reference, _ = models
-    gen = torch.Generator().manual_seed(7)
-    prompts = [
-        torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
-        for n in torch.randint(1, 40, (50,), generator=gen)
-    ]
-    return prompts, [hf_greedy(reference, p, 12) for p in prompts]
+    return prompts_with_greedy(models[1])
 
 
 def _engine(models, draft_kind: str | None, **kw) -> Engine:

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,8 +23,10 @@ from tree_dev.auto import (
     Candidate,
     CostModel,
     Shape,
+    StepOutcome,
     batch_shape,
     cache_key,
+    default_cache_dir,
     load_cost_model,
     save_cost_model,
     unmatched_tries,
@@ -34,23 +36,6 @@ from tree_dev.spec import AutoTreePolicy, NgramPolicy, NoDraftPolicy, Policy
 
 if TYPE_CHECKING:
     from tree_dev.engine import Engine
-
-#: Where measured cost models are cached: ``$TREESPEC_CACHE_DIR`` or ``~/.cache/treespec``.
-CACHE_ENV = "TREESPEC_CACHE_DIR"
-
-
-def default_cache_dir() -> Path:
-    """``$TREESPEC_CACHE_DIR``, else ``~/.cache/treespec``; cost models under ``auto/``."""
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "treespec"
-    return Path(root) / "auto"
-
-
-class _Record(NamedTuple):
-    """What ``AutoPolicy.record`` reads of a request's step."""
-
-    req_id: int
-    max_depth: int
-    accepted: list[int]
 
 
 class LocalAuto:
@@ -106,7 +91,7 @@ class LocalAuto:
         """The step's accepted paths and its measured seconds."""
         if self._forced is not None:
             return
-        steps = [_Record(r.req_id, d, paths[r.req_id][0]) for r, d in zip(batch, max_depths)]
+        steps = [StepOutcome(r.req_id, d, paths[r.req_id][0]) for r, d in zip(batch, max_depths)]
         self.auto.record(steps, seconds)
 
     def forget(self, req_id: int) -> None:

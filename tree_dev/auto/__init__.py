@@ -28,11 +28,19 @@ cost model, the same steps give the same choices.
 """
 
 from tree_dev.auto.acceptance import AcceptanceTracker
-from tree_dev.auto.chooser import AutoPolicy, AutoStats, StepRecord, batch_shape, choose
+from tree_dev.auto.chooser import (
+    AutoPolicy,
+    AutoStats,
+    StepOutcome,
+    StepRecord,
+    batch_shape,
+    choose,
+)
 from tree_dev.auto.cost_model import (
     CostModel,
     cache_key,
     cache_path,
+    default_cache_dir,
     default_shapes,
     load_cost_model,
     load_or_measure,
@@ -59,10 +67,12 @@ __all__ = [
     "Candidate",
     "CostModel",
     "Shape",
+    "StepOutcome",
     "StepRecord",
     "batch_shape",
     "cache_key",
     "cache_path",
+    "default_cache_dir",
     "choose",
     "default_shapes",
     "load_cost_model",

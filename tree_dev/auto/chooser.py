@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -151,6 +151,15 @@ def draft_source(c: Candidate) -> str | None:
     if c.shape.draft_levels > 0:
         return "model"
     return "trie" if c.depth > 0 else None
+
+
+class StepOutcome(NamedTuple):
+    """A ``StepRecord`` an engine builds itself (the root alone: ``max_depth`` 0,
+    ``accepted`` ``[0]``)."""
+
+    req_id: Any
+    max_depth: int
+    accepted: list[int]
 
 
 class AutoPolicy:

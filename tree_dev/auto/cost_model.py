@@ -194,6 +194,15 @@ def cache_key(model: str, dtype: object, device: str | None = None) -> dict[str,
 
 
 _FORMAT = "treespec.auto.cost_model"
+#: Where the engines cache measured cost models: ``$TREESPEC_CACHE_DIR/auto``, else
+#: ``~/.cache/treespec/auto``.
+CACHE_ENV = "TREESPEC_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """``$TREESPEC_CACHE_DIR/auto``, else ``~/.cache/treespec/auto``."""
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "treespec"
+    return Path(root) / "auto"
 
 
 def cache_path(directory: str | os.PathLike, key: Mapping[str, str]) -> Path:

@@ -22,15 +22,17 @@ import time
 import warnings
 from collections import deque
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from tree_dev.auto import (
     AutoPolicy,
     Candidate,
     CostModel,
     Shape,
+    StepOutcome,
     batch_shape,
     cache_key,
+    default_cache_dir,
     load_cost_model,
     save_cost_model,
 )
@@ -43,18 +45,6 @@ START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005)
 REFIT_EVERY = 64
 KEEP = 1024
 MIN_SHAPES = 4
-
-
-def default_cache_dir() -> Path:
-    """``$TREESPEC_CACHE_DIR/auto``, else ``~/.cache/treespec/auto``."""
-    root = os.environ.get("TREESPEC_CACHE_DIR") or Path.home() / ".cache" / "treespec"
-    return Path(root) / "auto"
-
-
-class _Record(NamedTuple):
-    req_id: Any
-    max_depth: int
-    accepted: list[int]
 
 
 class VllmAuto:
@@ -120,7 +110,7 @@ class VllmAuto:
         if self._chosen:
             got = {r.req_id: r for r in self._events}
             records = [
-                got.get(rid) or _Record(rid, 0, [0])  # none, or a tree vLLM did not verify
+                got.get(rid) or StepOutcome(rid, 0, [0])  # none, or a tree vLLM did not verify
                 for rid in self._chosen
             ]
             seconds = None
