@@ -365,10 +365,11 @@ def plot(rows: list[dict], peers: list[dict], verify_ms: dict, path: Path) -> No
 def load_models(model: str | None, n_prompts: int, args) -> tuple:
     """``(engine models, untouched HF copies, prompts)`` for a model set (the committed
     toy by default: target, draft LM, EAGLE head; held-out standard-library windows) or a
-    pretrained model by name or directory (``smollm2-135m``: the target alone, the
-    held-out code and chat prompts of ``tree_dev.models.prompts``)."""
-    from tree_dev.models import ModelSet, load
-    from tree_dev.models.named import resolve_model
+    pretrained model by name or directory (``smollm2-135m``: the target and its committed
+    EAGLE head, ``named.EAGLE_HEADS``, where it has one; the held-out code and chat prompts
+    of ``tree_dev.models.prompts``)."""
+    from tree_dev.models import EagleHead, ModelSet, load
+    from tree_dev.models.named import eagle_head_dir, resolve_model
 
     path = resolve_model(model) if model is not None else None
     if path is None or (path / "target").is_dir():
@@ -380,7 +381,12 @@ def load_models(model: str | None, n_prompts: int, args) -> tuple:
     from tree_dev.models.prompts import heldout_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(path)
-    sets = [ModelSet(load_causal_lm(path), None, None, tok, path) for _ in range(2)]
+    head = eagle_head_dir(model) if model is not None else None
+    sets = []
+    for _ in range(2):
+        target = load_causal_lm(path)
+        eagle = EagleHead.from_pretrained(head, target=target) if head is not None else None
+        sets.append(ModelSet(target, None, eagle, tok, path))
     return sets[0], sets[1], heldout_prompt_ids(tok, n_prompts)
 
 
@@ -456,12 +462,16 @@ def _plan(args: argparse.Namespace) -> _Plan:
     )
 
 
-def _plan_jobs(plan: _Plan, has_draft: bool) -> None:
-    """Fill in ``plan.jobs``: every (policy, drafter, temperature) of the grid; without a
-    draft (a pretrained model alone) only the draft-free families and HF peers."""
-    if not has_draft:
+def _plan_jobs(plan: _Plan, has: tuple[str, ...]) -> None:
+    """Fill in ``plan.jobs``: every (policy, drafter, temperature) of the grid, for the
+    drafters the models ``has`` (``"eagle"``, ``"draft"``); without a draft LM no HF
+    assisted generation, and without any draft (a pretrained model alone) only the
+    draft-free families."""
+    plan.drafters = tuple(d for d in plan.drafters if d in has)
+    if "draft" not in has:
+        plan.peer_kinds = tuple(k for k in plan.peer_kinds if k != "hf-assisted")
+    if not plan.drafters:
         plan.families = tuple(f for f in plan.families if f in DRAFT_FREE)
-        plan.drafters, plan.peer_kinds = (), tuple(k for k in PEERS[1:] if k != "hf-assisted")
     for temp in plan.temps:
         for b in plan.budgets:
             for family, spec in policies(b).items():
@@ -741,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     plan = _plan(args)
     models, hf_models, prompts = load_models(args.model or args.models, plan.n_prompts, args)
-    _plan_jobs(plan, has_draft=models.draft is not None)
+    has = tuple(d for d in ("eagle", "draft") if getattr(models, d) is not None)
+    _plan_jobs(plan, has)
     measured = _run_grid(plan, _Inputs(models, hf_models, prompts, args.kernel_backend))
     rows, peers = _summaries(plan, measured)
     verify_ms = verify_cost(models, args.prompt_tokens, (1, 5, 9, 17, 33, 64), args.kernel_backend)

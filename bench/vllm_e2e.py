@@ -28,8 +28,9 @@ vLLM's chains run at every tree budget (k = 4 and 8), so each tree is also compa
 vLLM's chain of the same draft and node budget (``tree_vs_same_budget_chain``).
 
 ``--model smollm2-135m`` runs the real pretrained model (fetched by name, eager) on the
-held-out code and chat prompts: it has no draft, so its grid is vLLM plain, ``ngram``,
-``suffix`` and the plugin's n-gram trie.
+held-out code and chat prompts with its self-distilled EAGLE head
+(``checkpoints/smollm2-135m-eagle``): vLLM plain, ``ngram``, ``suffix``, ``eagle`` and the
+plugin's EAGLE trees and n-gram trie.
 
 Writes ``results/vllm_e2e.json`` and ``results/vllm_e2e.png``.
 """
@@ -65,10 +66,15 @@ def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> lis
     keeps plain decoding, vLLM's ``ngram`` / ``suffix`` and the plugin's n-gram trie)."""
     out = [{"name": "vllm plain", "spec": None, "tree": None, "method": None, "budget": 0}]
     builtins = [("ngram", {"prompt_lookup_max": 4})]
+    # vLLM's sampled drafts: the draft's distribution in the ratio test (at T > 0)
+    sampled = {"draft_sample_method": "probabilistic"}
     if draft is not None:
-        builtins.append(("draft_model", {"model": draft}))
+        builtins += [
+            ("draft_model", {"model": draft}),
+            ("draft_model", {"model": draft, **sampled}),
+        ]
     if eagle_dir is not None:
-        builtins.append(("eagle", {"model": eagle_dir}))
+        builtins += [("eagle", {"model": eagle_dir}), ("eagle", {"model": eagle_dir, **sampled})]
     # SuffixDecoding (k: its most tokens a step; tree depth etc. at vLLM's defaults)
     if importlib.util.find_spec("arctic_inference") is None:
         print("skipping vllm suffix: arctic_inference is not installed (scripts/setup_suffix)")
@@ -78,6 +84,10 @@ def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> lis
         for method, extra in builtins:
             draftless = method in ("ngram", "suffix")
             name = f"vllm {method} k={k}" if draftless else f"vllm {method} chain k={k}"
+            if "draft_sample_method" in extra:
+                if quick and k != CHAIN_LENGTHS[0]:
+                    continue
+                name += " probabilistic"
             spec = {"method": method, "num_speculative_tokens": k, **extra}
             out.append({"name": name, "spec": spec, "tree": None, "method": method, "budget": k})
     trees = [  # (method, draft, tree spec, sampled drafts, in the quick grid)
@@ -86,6 +96,8 @@ def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> lis
         ("eagle", eagle_dir, "topk:k=2,depth=3,budget=4", False, False),
         ("eagle", eagle_dir, "topk:k=2,depth=4,budget=8", False, True),
         ("eagle", eagle_dir, "topk:k=2,depth=8,budget=16", False, False),
+        # the head's top-K tree and the context's n-gram trie under one budget
+        ("eagle", eagle_dir, "hybrid:k=2,depth=4,budget=8", False, True),
         # a ranking temperature < 1 sharpens the under-confident head's scores: deeper trees
         ("eagle", eagle_dir, "topk:k=2,depth=8,budget=8,temp=0.5", False, False),
         ("eagle", eagle_dir, "topk:k=2,depth=8,budget=8,temp=0.25", False, False),
@@ -136,12 +148,13 @@ def held_out(n: int, length: int) -> list[list[int]]:
 def model_setup(model: str, n: int, prompt_tokens: int, eager: bool | None) -> dict:
     """The target of a run by name or directory: the ``LLM`` arguments of every engine,
     the prompts, and the draft / EAGLE head it has (a model set such as ``stdlib-v1``:
-    both; a pretrained model directory such as ``smollm2-135m``: neither). A model set's
+    both; a pretrained model such as ``smollm2-135m``: its committed EAGLE head, if it has
+    one, ``named.EAGLE_HEADS``; a directory: neither). A model set's
     prompts are held-out standard-library windows of ``prompt_tokens``; a pretrained
     model's are the held-out code and chat prompts (``tree_dev.models.prompts``).
     ``eager`` None: compiled for the toy, eager for a real model (compiled start-up is
     minutes per engine on a 30-layer model here)."""
-    from tree_dev.models.named import resolve_model
+    from tree_dev.models.named import eagle_head_dir, resolve_model
 
     path = resolve_model(model)
     if (path / "target").is_dir():  # a model set: target, draft LM, EAGLE head
@@ -163,7 +176,13 @@ def model_setup(model: str, n: int, prompt_tokens: int, eager: bool | None) -> d
         print(f"note: {n} prompts asked, the held-out set has {have}: some repeat")
         prompts = [prompts[i % have] for i in range(n)]
     eager = True if eager is None else eager
-    return {"llm": {"model": str(path), "enforce_eager": eager}, "prompts": prompts}
+    setup = {"llm": {"model": str(path), "enforce_eager": eager}, "prompts": prompts}
+    head = eagle_head_dir(model)
+    if head is not None:  # the EAGLE head made here (distill-eagle), in vLLM's format
+        from tree_dev.models.export_vllm import export_eagle_for_vllm
+
+        setup["eagle"] = str(export_eagle_for_vllm(head_dir=head))
+    return setup
 
 
 def start_engine(cfg: dict, llm_kw: dict | None = None, warm_prompts=None):
@@ -355,7 +374,8 @@ def _parse_args() -> argparse.Namespace:
         "--model",
         default="stdlib-v1",
         help="a model name (stdlib-v1: the committed toy set with its draft LM and EAGLE "
-        "head; smollm2-135m: SmolLM2-135M-Instruct, no draft) or a directory",
+        "head; smollm2-135m: SmolLM2-135M-Instruct with its self-distilled EAGLE head) or a "
+        "directory",
     )
     ap.add_argument(
         "--eager",

@@ -62,6 +62,18 @@ def test_name_resolves_to_the_fetched_dir_with_the_ngram_trie(engine, smollm2_di
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_a_tree_that_needs_a_draft_takes_the_models_committed_eagle_head(engine, smollm2_dir):
+    from tree_dev.models.named import EAGLE_HEADS
+
+    tree = "topk:k=2,depth=4,budget=8"
+    c = config.resolve_config(["--engine", engine, "--model", NAME, "--tree", tree])
+    assert (c.tree, c.drafter, c.drafter_path) == (tree, "eagle", EAGLE_HEADS[NAME])
+    # the same checkpoint by path has no name, so no committed head: the tree is refused
+    with pytest.raises(SystemExit):
+        config.resolve_config(["--engine", engine, "--model", str(smollm2_dir), "--tree", tree])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_stdlib_name_is_the_committed_set(engine):
     by_name = config.resolve_config(["--engine", engine, "--model", "stdlib-v1"])
     assert by_name == config.resolve_config(["--engine", engine])

@@ -1,8 +1,10 @@
-"""``python -m tree_dev.models fetch NAME | train | eval | export-eagle-vllm [--out DIR] ...``."""
+"""``python -m tree_dev.models fetch NAME | train | eval | export-eagle-vllm | distill-eagle
+[--out DIR] ...``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 
@@ -43,6 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ex.add_argument("--out", default=None, help="output dir (default: results/vllm_eagle/HASH)")
     ex.add_argument("--head", default=None, help="EAGLE head dir (default: the committed head)")
+    di = sub.add_parser(
+        "distill-eagle",
+        help="train an EAGLE head for a pretrained model on its own answers (self-distilled)",
+    )
+    di.add_argument("--model", default="smollm2-135m", help="a model name or directory")
+    di.add_argument("--out", required=True, help="the head's directory")
+    di.add_argument("--work", default=None, help="cache of answers and features")
+    di.add_argument("--prompts", type=int, default=1024, help="training prompts")
+    di.add_argument("--max-tokens", type=int, default=160, help="answer length")
+    di.add_argument("--vocab", type=int, default=8192, help="reduced training vocabulary")
+    di.add_argument("--minutes", type=float, default=20.0, help="training time budget")
+    di.add_argument(
+        "--unroll", type=int, default=1, help="passes on the head's own features (depth 2+)"
+    )
+    di.add_argument("--seed", type=int, default=0)
+    di.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     cmd = "python -m tree_dev.models " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.cmd == "fetch":
@@ -76,6 +94,23 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             resume=args.resume,
         )
+    elif args.cmd == "distill-eagle":
+        from .distill import run_distill
+
+        summary = run_distill(
+            args.model,
+            args.out,
+            work=args.work,
+            n_prompts=args.prompts,
+            max_tokens=args.max_tokens,
+            vocab_size=args.vocab,
+            minutes=args.minutes,
+            seed=args.seed,
+            threads=args.threads,
+            unroll=args.unroll,
+            command=cmd,
+        )
+        print(json.dumps(summary["heldout"], indent=1))
     elif args.cmd == "export-eagle-vllm":
         from .export_vllm import export_eagle_for_vllm
 

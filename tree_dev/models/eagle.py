@@ -190,8 +190,9 @@ class EagleHead(nn.Module):
         """Load a head saved by :meth:`save_pretrained`.
 
         ``target``: the ``LlamaForCausalLM`` whose embedding and ``lm_head`` the head
-        shares; when ``None`` it is loaded from ``config["eagle"]["target"]`` relative to
-        ``path`` (in ``torch_dtype``).  Raises ``FileNotFoundError`` naming a missing file.
+        shares; when ``None`` it is loaded from ``config["eagle"]["target"]``, a path
+        relative to ``path`` or ``named:NAME`` (``named.NAMED_MODELS``), in ``torch_dtype``.  Raises
+        ``FileNotFoundError`` naming a missing file.
         """
         p = Path(path)
         cfg_file, w_file = p / "config.json", p / "model.safetensors"
@@ -208,7 +209,7 @@ class EagleHead(nn.Module):
         if target is None:
             from transformers import AutoModelForCausalLM
 
-            tpath = (p / eagle["target"]).resolve()
+            tpath = _target_dir(p, eagle["target"])
             if not eagle["target"] or not tpath.is_dir():
                 raise FileNotFoundError(f"target checkpoint of EAGLE head {p} not found: {tpath}")
             target = AutoModelForCausalLM.from_pretrained(
@@ -233,6 +234,16 @@ class EagleHead(nn.Module):
         head.decoder.norm.to(torch_dtype)
         head.decoder.rotary_emb.to(torch_dtype)
         return head.eval()
+
+
+def _target_dir(head_dir: Path, target: str) -> Path:
+    """The head's target checkpoint: ``named:NAME`` is a model of ``named.NAMED_MODELS``
+    (fetched into the cache on first use), anything else a path relative to the head."""
+    if target.startswith("named:"):
+        from .named import resolve_model
+
+        return resolve_model(target.removeprefix("named:"))
+    return (head_dir / target).resolve()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

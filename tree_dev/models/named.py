@@ -76,6 +76,19 @@ NAMED_MODELS: dict[str, Path | PypiGguf] = {
 }
 
 
+#: name -> the EAGLE head made here for that model (``python -m tree_dev.models
+#: distill-eagle``), committed; its target is ``named:NAME``.
+EAGLE_HEADS: dict[str, Path] = {
+    "smollm2-135m": REPO_ROOT / "checkpoints" / "smollm2-135m-eagle",
+}
+
+
+def eagle_head_dir(name_or_path: str | os.PathLike) -> Path | None:
+    """The committed EAGLE head of a named model, or None (no head, or a directory)."""
+    head = EAGLE_HEADS.get(str(name_or_path))
+    return head if head is not None and (head / "model.safetensors").is_file() else None
+
+
 class FetchError(RuntimeError):
     """A named model could not be fetched (no network, a bad download)."""
 

@@ -801,6 +801,12 @@ def _apply_defaults(
                     "measured on another model?)"
                 )
         pol.drafter = None if pol.tree == "none" else ("ngram", None)
+    elif pol.drafter is None and pol.tree is not None and not runs_without_model(pol.tree):
+        from tree_dev.models.named import eagle_head_dir
+
+        head = eagle_head_dir(str(a.model))
+        if head is not None:  # a named model's committed EAGLE head (distill-eagle)
+            pol.drafter = ("eagle", head)
     if pol.tree is None:
         if pol.drafter is None:
             pol.tree, pol.source = "none", "no draft given"

@@ -1,0 +1,157 @@
+"""The self-distilled EAGLE head of SmolLM2-135M-Instruct inside vLLM.
+
+The head, exported for vLLM (``export_eagle_for_vllm``), drives the plugin's EAGLE trees:
+the top-K tree, the hybrid tree (the head's top-K tree and the trie under one budget) and
+a chain, switched on one running engine, each decode the 50 held-out prompts 8 concurrent
+token for token as vLLM's plain greedy decoding, with tau > 1; sampled tree tokens at
+T=0.8 follow the target (chi-square) for the top-K tree and for sampled drafts. vLLM's
+own ``eagle`` method loads the same export and its drafts are accepted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
+
+from vllm_engines import (  # noqa: E402
+    assert_first_tree_token_is_targets,
+    generate,
+    shutdown,
+    tree_stats,
+)
+
+pytestmark = pytest.mark.full  # make test-all only: vLLM engines on the real model
+
+MAX_TOKENS = 32
+TOPK = "topk:k=2,depth=4,budget=8"
+SWITCHED = ["hybrid:k=2,depth=4,budget=8", "chain:8"]
+
+
+def _llm(model_dir, tree=None, draft_sampling=False, spec=None):
+    from vllm import LLM
+
+    from tree_dev.models.export_vllm import export_eagle_for_vllm
+    from tree_dev.models.named import EAGLE_HEADS
+    from tree_dev.spec import TreeSettings
+
+    kw = {}
+    head = str(export_eagle_for_vllm(head_dir=EAGLE_HEADS["smollm2-135m"]))
+    if tree is not None:
+        settings = TreeSettings.parse(tree, draft_sampling, draft="eagle")
+        kw["speculative_config"] = settings.vllm_speculative_config(head)
+        kw["additional_config"] = {"treespec": settings.treespec_section()}
+    elif spec is not None:
+        kw["speculative_config"] = {**spec, "model": head}
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        max_num_seqs=8,
+        seed=0,
+        disable_log_stats=False,
+        **kw,
+    )
+
+
+def _greedy(n: int):
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=MAX_TOKENS) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from tree_dev.models.prompts import heldout_prompt_ids
+
+    return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir), 50)
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_dir, prompts):
+    llm = _llm(smollm2_dir)
+    try:
+        return generate(llm, prompts, _greedy(len(prompts)))
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir, plain):  # after the plain engine: one engine at a time
+    engine = _llm(smollm2_dir, TOPK)
+    yield engine
+    shutdown(engine)
+
+
+def _lossless_with_tau(llm, prompts, plain, tree) -> float:
+    before = tree_stats(llm)
+    got = generate(llm, prompts, _greedy(len(prompts)))
+    after = tree_stats(llm)
+    bad = [i for i, (g, w) in enumerate(zip(got, plain, strict=True)) if g != w]
+    assert not bad, f"{tree}: prompts {bad[:5]} differ from vLLM's plain greedy output"
+    assert after["tree"] == tree
+    steps = after["tree_steps"] - before["tree_steps"]
+    emitted = after["tokens_per_step"] * after["tree_steps"]
+    emitted -= before["tokens_per_step"] * before["tree_steps"]
+    tau = emitted / steps
+    print(f"{tree}: tau {tau:.2f} over {steps} tree steps")
+    return tau
+
+
+def test_topk_tree_is_lossless_at_8_concurrent(llm, prompts, plain):
+    assert _lossless_with_tau(llm, prompts, plain, TOPK) > 1.2
+
+
+@pytest.mark.parametrize("tree", SWITCHED)
+def test_hybrid_and_chain_are_lossless_at_8_concurrent(llm, prompts, plain, tree):
+    llm.collective_rpc("treespec_set_tree", args=(tree,))
+    try:
+        assert _lossless_with_tau(llm, prompts, plain, tree) > 1.2
+    finally:
+        llm.collective_rpc("treespec_set_tree", args=(TOPK,))
+
+
+def test_topk_tree_tokens_follow_the_target_at_t08(llm, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    text = "Once upon a time there was a girl. Once upon a time there was a"
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(text)
+    assert_first_tree_token_is_targets(llm, prompt, 0.8, n=640, model_dir=smollm2_dir)
+
+
+def test_sampled_drafts_follow_the_target_at_t08(smollm2_dir, prompts, plain, llm):
+    """chain:4 with sampled drafts (residual-rule verify), on its own engine: greedy
+    stays lossless (top-ranked drafts) and T=0.8 tree tokens follow the target."""
+    from transformers import AutoTokenizer
+
+    shutdown(llm)  # one engine at a time; the module's tree engine is done
+    engine = _llm(smollm2_dir, "chain:4", draft_sampling=True)
+    try:
+        got = generate(engine, prompts[:16], _greedy(16))
+        assert got == plain[:16]
+        text = "Once upon a time there was a girl. Once upon a time there was a"
+        prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(text)
+        assert_first_tree_token_is_targets(
+            engine, prompt, 0.8, n=640, mode="draft_probs", model_dir=smollm2_dir
+        )
+    finally:
+        shutdown(engine)
+
+
+def test_vllms_own_eagle_method_loads_the_head(smollm2_dir, prompts, plain, llm):
+    """vLLM's ``eagle`` proposer (no plugin tree) runs the same export: greedy output is
+    vLLM's plain output and its drafts are accepted (vLLM's spec-decode counters)."""
+    engine = _llm(smollm2_dir, spec={"method": "eagle", "num_speculative_tokens": 4})
+    try:
+        got = generate(engine, prompts[:16], _greedy(16))
+        assert got == plain[:16]
+        metrics = {m.name: getattr(m, "value", None) for m in engine.get_metrics()}
+        steps = metrics["vllm:spec_decode_num_drafts"]
+        accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+        print(f"vLLM eagle: {accepted} tokens accepted over {steps} draft steps")
+        assert steps > 0 and accepted / steps > 0.25  # tau = 1 + accepted / steps
+    finally:
+        shutdown(engine)
