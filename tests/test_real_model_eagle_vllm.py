@@ -1,10 +1,11 @@
 """The self-distilled EAGLE head of SmolLM2-135M-Instruct inside vLLM.
 
 The head, exported for vLLM (``export_eagle_for_vllm``), drives the plugin's EAGLE trees:
-the top-K tree, the hybrid tree (the head's top-K tree and the trie under one budget) and
-a chain, switched on one running engine, each decode the 50 held-out prompts 8 concurrent
+a chain, the top-K tree and the hybrid tree (the head's top-K tree and the trie under one
+budget), switched on one running engine, each decode the 50 held-out prompts 8 concurrent
 token for token as vLLM's plain greedy decoding, with tau > 1; sampled tree tokens at
-T=0.8 follow the target (chi-square) for the top-K tree and for sampled drafts. vLLM's
+T=0.8 follow the target (chi-square) for the top-K tree (sampled drafts with this head are
+proven in the local engine, and inside vLLM on the toy set: test_vllm_tree_static). vLLM's
 own ``eagle`` method loads the same export and its drafts are accepted.
 """
 
@@ -24,11 +25,12 @@ from vllm_engines import (  # noqa: E402
 pytestmark = pytest.mark.full  # make test-all only: vLLM engines on the real model
 
 MAX_TOKENS = 32
-TOPK = "topk:k=2,depth=4,budget=8"
-SWITCHED = ["hybrid:k=2,depth=4,budget=8", "chain:8"]
+CHAIN = "chain:8"  # the start-up tree: it reserves the most KV slots of the three
+SWITCHED = ["topk:k=2,depth=4,budget=8", "hybrid:k=2,depth=4,budget=8"]
+TOPK = SWITCHED[0]
 
 
-def _llm(model_dir, tree=None, draft_sampling=False, spec=None):
+def _llm(model_dir, tree=None, spec=None):
     from vllm import LLM
 
     from tree_dev.models.export_vllm import export_eagle_for_vllm
@@ -38,7 +40,7 @@ def _llm(model_dir, tree=None, draft_sampling=False, spec=None):
     kw = {}
     head = str(export_eagle_for_vllm(head_dir=EAGLE_HEADS["smollm2-135m"]))
     if tree is not None:
-        settings = TreeSettings.parse(tree, draft_sampling, draft="eagle")
+        settings = TreeSettings.parse(tree, draft="eagle")
         kw["speculative_config"] = settings.vllm_speculative_config(head)
         kw["additional_config"] = {"treespec": settings.treespec_section()}
     elif spec is not None:
@@ -81,7 +83,7 @@ def plain(smollm2_dir, prompts):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir, plain):  # after the plain engine: one engine at a time
-    engine = _llm(smollm2_dir, TOPK)
+    engine = _llm(smollm2_dir, CHAIN)
     yield engine
     shutdown(engine)
 
@@ -101,17 +103,17 @@ def _lossless_with_tau(llm, prompts, plain, tree) -> float:
     return tau
 
 
-def test_topk_tree_is_lossless_at_8_concurrent(llm, prompts, plain):
-    assert _lossless_with_tau(llm, prompts, plain, TOPK) > 1.2
+def test_chain_is_lossless_at_8_concurrent(llm, prompts, plain):
+    assert _lossless_with_tau(llm, prompts, plain, CHAIN) > 1.2
 
 
 @pytest.mark.parametrize("tree", SWITCHED)
-def test_hybrid_and_chain_are_lossless_at_8_concurrent(llm, prompts, plain, tree):
+def test_topk_and_hybrid_are_lossless_at_8_concurrent(llm, prompts, plain, tree):
     llm.collective_rpc("treespec_set_tree", args=(tree,))
     try:
         assert _lossless_with_tau(llm, prompts, plain, tree) > 1.2
     finally:
-        llm.collective_rpc("treespec_set_tree", args=(TOPK,))
+        llm.collective_rpc("treespec_set_tree", args=(CHAIN,))
 
 
 def test_topk_tree_tokens_follow_the_target_at_t08(llm, smollm2_dir):
@@ -119,26 +121,11 @@ def test_topk_tree_tokens_follow_the_target_at_t08(llm, smollm2_dir):
 
     text = "Once upon a time there was a girl. Once upon a time there was a"
     prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(text)
-    assert_first_tree_token_is_targets(llm, prompt, 0.8, n=640, model_dir=smollm2_dir)
-
-
-def test_sampled_drafts_follow_the_target_at_t08(smollm2_dir, prompts, plain, llm):
-    """chain:4 with sampled drafts (residual-rule verify), on its own engine: greedy
-    stays lossless (top-ranked drafts) and T=0.8 tree tokens follow the target."""
-    from transformers import AutoTokenizer
-
-    shutdown(llm)  # one engine at a time; the module's tree engine is done
-    engine = _llm(smollm2_dir, "chain:4", draft_sampling=True)
+    llm.collective_rpc("treespec_set_tree", args=(TOPK,))
     try:
-        got = generate(engine, prompts[:16], _greedy(16))
-        assert got == plain[:16]
-        text = "Once upon a time there was a girl. Once upon a time there was a"
-        prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(text)
-        assert_first_tree_token_is_targets(
-            engine, prompt, 0.8, n=640, mode="draft_probs", model_dir=smollm2_dir
-        )
+        assert_first_tree_token_is_targets(llm, prompt, 0.8, n=640, model_dir=smollm2_dir)
     finally:
-        shutdown(engine)
+        llm.collective_rpc("treespec_set_tree", args=(CHAIN,))
 
 
 def test_vllms_own_eagle_method_loads_the_head(smollm2_dir, prompts, plain, llm):
