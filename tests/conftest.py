@@ -53,6 +53,17 @@ def smollm2_dir():
     return fetch("smollm2-135m", quiet=True)
 
 
+@pytest.fixture(scope="session")
+def smollm2_prompts(smollm2_dir):
+    """The 50 held-out prompts as SmolLM2 token ids (code raw, chat through the chat
+    template): the real-model proofs' prompts."""
+    from transformers import AutoTokenizer
+
+    from tree_dev.models.prompts import heldout_prompt_ids
+
+    return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir), 50)
+
+
 # --- vLLM engine start-ups, counted and reported at the end of the session -----------------
 # Start-up (10-60 s each here) dominates the suite's time, so the count is part of its
 # output. In-process engines are counted by wrapping ``vllm.LLM.__init__`` as soon as vLLM's

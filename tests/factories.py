@@ -38,6 +38,35 @@ def prompts_with_greedy(reference, n: int = 50, vocab: int = 64, max_tokens: int
     return prompts, [hf_greedy(reference, p, max_tokens) for p in prompts]
 
 
+def engine_tau(engine, depths: int = 4) -> tuple[float, list[float]]:
+    """``(tau, acceptance per depth)`` over a local ``Engine``'s requests: tokens per
+    target step, and accepted / tried drafts at each of the first ``depths`` depths."""
+    reqs = list(engine.requests.values())
+    tau = sum(len(r.output) for r in reqs) / sum(r.steps for r in reqs)
+    tried = [sum(r.depth_tried[d] for r in reqs if len(r.depth_tried) > d) for d in range(depths)]
+    acc = [
+        sum(r.depth_accepted[d] for r in reqs if len(r.depth_accepted) > d) for d in range(depths)
+    ]
+    return tau, [a / t for a, t in zip(acc, tried) if t]
+
+
+def break_tree_mask(monkeypatch) -> None:
+    """Verify every tree under a causal chain mask (each node sees every earlier node,
+    siblings too), on both of the local engine's verify paths: the tree kernel's
+    (``_batch_of``) and the row path's (``_visible``). A lossless proof must then fail."""
+    import tree_dev.model_runner as runner_mod
+    from tree_dev.tree import TokenTree, TreeBatch
+
+    def chain_masks(trees, device):
+        return TreeBatch([TokenTree.chain(t.num_nodes - 1) for t in trees], device=device)
+
+    def chain_mask(tree):
+        return torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
+
+    monkeypatch.setattr(runner_mod, "_batch_of", chain_masks)
+    monkeypatch.setattr(runner_mod, "_visible", chain_mask)
+
+
 def first_token_counts(
     engine, prompt: list[int], draws: int, temperature: float = 1.0
 ) -> torch.Tensor:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.factories import (
+    break_tree_mask,
     chisquare_pvalue,
     engine_models,
     first_token_counts,
@@ -373,20 +374,9 @@ def test_decode_attention_equals_tree_attention_on_paged_blocks():
 def test_greedy_proof_fails_without_the_tree_mask(models, prompts_and_greedy, spec, monkeypatch):
     """The 50-prompt proof can fail: verify trees under a causal chain mask (each node
     sees every earlier node, siblings too) and the outputs leave the target's greedy."""
-    import tree_dev.model_runner as runner_mod
-    from tree_dev.tree import TokenTree, TreeBatch
-
     target, _, draft = models
     prompts, want = prompts_and_greedy
-
-    def chain_masks(trees, device):
-        return TreeBatch([TokenTree.chain(t.num_nodes - 1) for t in trees], device=device)
-
-    def chain_mask(tree):
-        return torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
-
-    monkeypatch.setattr(runner_mod, "_batch_of", chain_masks)  # the tree kernel's path
-    monkeypatch.setattr(runner_mod, "_visible", chain_mask)  # the row path's
+    break_tree_mask(monkeypatch)
     engine = Engine(target, draft, tree=spec, max_batch=16)
     got = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert sum(g != w for g, w in zip(got, want)) > 0

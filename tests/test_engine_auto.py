@@ -16,6 +16,7 @@ import torch
 
 import tree_dev.engine_auto as engine_auto
 from tests.factories import (
+    break_tree_mask,
     chisquare_pvalue,
     engine_models,
     first_token_counts,
@@ -84,20 +85,8 @@ def test_auto_is_lossless_with_mixed_temperatures_in_one_batch(
 
 def test_auto_proof_fails_without_the_tree_mask(models, prompts_and_greedy, monkeypatch):
     """The same proof sees a broken mask: trees verified under a causal chain mask."""
-    import tree_dev.model_runner as runner_mod
-    from tree_dev.tree import TokenTree, TreeBatch
-
     prompts, want = prompts_and_greedy
-    monkeypatch.setattr(
-        runner_mod,
-        "_batch_of",
-        lambda trees, device: TreeBatch(
-            [TokenTree.chain(t.num_nodes - 1) for t in trees], device=device
-        ),
-    )
-    monkeypatch.setattr(
-        runner_mod, "_visible", lambda t: torch.ones(t.num_nodes, t.num_nodes).bool().tril()
-    )
+    break_tree_mask(monkeypatch)
     engine = _engine(models, "draft", max_batch=16)
     got = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert sum(g != w for g, w in zip(got, want)) > 0

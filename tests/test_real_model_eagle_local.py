@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.factories import chisquare_pvalue
+from tests.factories import break_tree_mask, chisquare_pvalue, engine_tau
 from tree_dev.engine import Engine, SamplingParams
 from tree_dev.models import EagleHead
 from tree_dev.models.named import EAGLE_HEADS
-from tree_dev.models.prompts import heldout_prompt_ids
 
 pytestmark = pytest.mark.full  # make test-all only: the real model, 50-prompt proofs
 
@@ -43,24 +42,14 @@ def head(target):
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir), 50)
+def prompts(smollm2_prompts):
+    return smollm2_prompts
 
 
 @pytest.fixture(scope="module")
 def plain(target, prompts):
     engine = Engine(target, tree="none", max_batch=25, max_model_len=512)
     return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-
-
-def _tau(engine) -> tuple[float, list[float]]:
-    reqs = list(engine.requests.values())
-    tau = sum(len(r.output) for r in reqs) / sum(r.steps for r in reqs)
-    tried = [sum(r.depth_tried[d] for r in reqs if len(r.depth_tried) > d) for d in range(4)]
-    acc = [sum(r.depth_accepted[d] for r in reqs if len(r.depth_accepted) > d) for d in range(4)]
-    return tau, [a / t for a, t in zip(acc, tried) if t]
 
 
 def test_the_head_drafts_held_out_text_it_never_saw(smollm2_dir, prompts):
@@ -90,7 +79,7 @@ def test_eagle_trees_are_lossless_on_50_held_out_prompts(target, head, prompts, 
     got = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     bad = [i for i, (g, w) in enumerate(zip(got, plain, strict=True)) if g != w]
     assert not bad, f"{tree}: prompts {bad[:5]} differ from the engine's plain greedy"
-    tau, per_depth = _tau(engine)
+    tau, per_depth = engine_tau(engine)
     print(f"{tree}: tau {tau:.2f}, acceptance per depth {[round(p, 2) for p in per_depth]}")
     assert tau > 1.2, f"{tree}: tau {tau:.2f}: the head's drafts were hardly accepted"
     assert per_depth[0] > 0.25
@@ -99,19 +88,7 @@ def test_eagle_trees_are_lossless_on_50_held_out_prompts(target, head, prompts, 
 def test_greedy_proof_fails_without_the_tree_mask(target, head, prompts, plain, monkeypatch):
     """The top-K tree verified under a causal chain mask (siblings see each other): the
     outputs leave plain greedy, so the lossless test above can fail."""
-    import tree_dev.model_runner as runner_mod
-    from tree_dev.tree import TokenTree, TreeBatch
-
-    monkeypatch.setattr(
-        runner_mod,
-        "_batch_of",
-        lambda trees, device: TreeBatch(
-            [TokenTree.chain(t.num_nodes - 1) for t in trees], device=device
-        ),
-    )
-    monkeypatch.setattr(
-        runner_mod, "_visible", lambda tree: torch.ones(tree.num_nodes, tree.num_nodes).tril() > 0
-    )
+    break_tree_mask(monkeypatch)
     engine = Engine(target, eagle=head, tree=TREES[1], max_batch=16, max_model_len=512)
     got = engine.generate(prompts[:16], SamplingParams(max_tokens=MAX_TOKENS))
     assert sum(g != w for g, w in zip(got, plain[:16])) > 0

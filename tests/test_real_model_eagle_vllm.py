@@ -18,6 +18,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup install
 from vllm_engines import (  # noqa: E402
     assert_first_tree_token_is_targets,
     generate,
+    real_model_llm,
+    real_model_plain,
     shutdown,
     tree_stats,
 )
@@ -31,8 +33,8 @@ TOPK = SWITCHED[0]
 
 
 def _llm(model_dir, tree=None, spec=None):
-    from vllm import LLM
-
+    """vLLM on the model; with ``tree`` the plugin's EAGLE tree, with ``spec`` vLLM's own
+    speculative method, both drafting with the committed head (exported for vLLM)."""
     from tree_dev.models.export_vllm import export_eagle_for_vllm
     from tree_dev.models.named import EAGLE_HEADS
     from tree_dev.spec import TreeSettings
@@ -45,16 +47,7 @@ def _llm(model_dir, tree=None, spec=None):
         kw["additional_config"] = {"treespec": settings.treespec_section()}
     elif spec is not None:
         kw["speculative_config"] = {**spec, "model": head}
-    return LLM(
-        model=str(model_dir),
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        max_num_seqs=8,
-        seed=0,
-        disable_log_stats=False,
-        **kw,
-    )
+    return real_model_llm(model_dir, **kw)
 
 
 def _greedy(n: int):
@@ -64,21 +57,13 @@ def _greedy(n: int):
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    from tree_dev.models.prompts import heldout_prompt_ids
-
-    return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir), 50)
+def prompts(smollm2_prompts):
+    return smollm2_prompts
 
 
 @pytest.fixture(scope="module")
 def plain(smollm2_dir, prompts):
-    llm = _llm(smollm2_dir)
-    try:
-        return generate(llm, prompts, _greedy(len(prompts)))
-    finally:
-        shutdown(llm)
+    return real_model_plain(smollm2_dir, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

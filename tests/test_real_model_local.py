@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tests.factories import break_tree_mask, engine_tau
 from tree_dev.engine import Engine, SamplingParams
-from tree_dev.models.prompts import heldout_prompt_ids
 
 pytestmark = pytest.mark.full  # make test-all only: the real model, 50-prompt proofs
 
@@ -29,10 +29,8 @@ def target(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir), 50)
+def prompts(smollm2_prompts):
+    return smollm2_prompts
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +49,7 @@ def test_trie_is_lossless_on_50_held_out_prompts(target, prompts, plain, spec):
     engine, got = _run(target, prompts, spec)
     bad = [i for i, (g, w) in enumerate(zip(got, plain, strict=True)) if g != w]
     assert not bad, f"{spec}: prompts {bad[:5]} differ from the engine's plain greedy"
-    reqs = list(engine.requests.values())
-    tau = sum(len(r.output) for r in reqs) / sum(r.steps for r in reqs)
-    tried = [sum(r.depth_tried[d] for r in reqs if len(r.depth_tried) > d) for d in range(3)]
-    acc = [sum(r.depth_accepted[d] for r in reqs if len(r.depth_accepted) > d) for d in range(3)]
-    per_depth = [a / t for a, t in zip(acc, tried) if t]
+    tau, per_depth = engine_tau(engine, depths=3)
     print(f"{spec}: tau {tau:.2f}, acceptance per depth {[round(p, 2) for p in per_depth]}")
     assert tau > 1.05, f"{spec}: tau {tau:.2f}: the trie's drafts were hardly accepted"
     assert per_depth and per_depth[0] > 0.1
@@ -64,19 +58,7 @@ def test_trie_is_lossless_on_50_held_out_prompts(target, prompts, plain, spec):
 def test_greedy_proof_fails_without_the_tree_mask(target, prompts, plain, monkeypatch):
     """Verify the trie's trees under a causal chain mask (siblings see each other): the
     outputs leave plain greedy, so the lossless test above can fail."""
-    import tree_dev.model_runner as runner_mod
-    from tree_dev.tree import TokenTree, TreeBatch
-
-    monkeypatch.setattr(
-        runner_mod,
-        "_batch_of",
-        lambda trees, device: TreeBatch(
-            [TokenTree.chain(t.num_nodes - 1) for t in trees], device=device
-        ),
-    )
-    monkeypatch.setattr(
-        runner_mod, "_visible", lambda tree: torch.ones(tree.num_nodes, tree.num_nodes).tril() > 0
-    )
+    break_tree_mask(monkeypatch)
     _, got = _run(target, prompts[:16], "ngram:budget=8,matches=4")
     assert sum(g != w for g, w in zip(got, plain[:16])) > 0
 

@@ -15,6 +15,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup install
 from vllm_engines import (  # noqa: E402
     assert_first_tree_token_is_targets,
     generate,
+    real_model_llm,
+    real_model_plain,
     shutdown,
     tree_stats,
 )
@@ -25,18 +27,7 @@ MAX_TOKENS = 32
 BATCH1 = 16  # of the 50, one request at a time (all 50 run 8 concurrent)
 
 
-def _llm(model_dir, **kw):
-    from vllm import LLM
-
-    return LLM(
-        model=str(model_dir),
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        max_num_seqs=8,
-        seed=0,
-        **kw,
-    )
+_llm = real_model_llm
 
 
 def _params(n: int):
@@ -46,21 +37,13 @@ def _params(n: int):
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    from tree_dev.models.prompts import heldout_prompt_ids
-
-    return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir), 50)
+def prompts(smollm2_prompts):
+    return smollm2_prompts
 
 
 @pytest.fixture(scope="module")
 def plain(smollm2_dir, prompts):
-    llm = _llm(smollm2_dir)
-    try:
-        return generate(llm, prompts, _params(len(prompts)))
-    finally:
-        shutdown(llm)
+    return real_model_plain(smollm2_dir, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

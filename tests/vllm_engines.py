@@ -58,6 +58,44 @@ def make_llm(enforce_eager: bool = True, **kw):
     return LLM(**args)
 
 
+def real_model_llm(model_dir, **kw):
+    """A vLLM ``LLM`` on a real pretrained model's directory: fp32, eager (compiled
+    start-up is minutes on a 30-layer model here), 512 tokens, 8 sequences, seed 0, stats
+    logged; ``kw`` adds or overrides ``LLM`` arguments."""
+    from vllm import LLM
+
+    args = dict(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        max_num_seqs=8,
+        seed=0,
+        disable_log_stats=False,
+    )
+    args.update(kw)
+    return LLM(**args)
+
+
+_REAL_PLAIN: dict[tuple, list[list[int]]] = {}
+
+
+def real_model_plain(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """vLLM's own plain greedy outputs of ``prompts`` on a real model (``real_model_llm``),
+    computed once per session and shared by the modules that compare against them."""
+    from vllm import SamplingParams
+
+    key = (str(model_dir), tuple(map(tuple, prompts)), max_tokens)
+    if key not in _REAL_PLAIN:
+        llm = real_model_llm(model_dir)
+        try:
+            params = [SamplingParams(temperature=0, max_tokens=max_tokens) for _ in prompts]
+            _REAL_PLAIN[key] = generate(llm, prompts, params)
+        finally:
+            shutdown_engine(llm)
+    return _REAL_PLAIN[key]
+
+
 shutdown = shutdown_engine  # the modules' name for it
 
 
