@@ -15,9 +15,11 @@ from tree_dev.models import EagleHead, load
 from tree_dev.models.data import corpus_files, read_texts
 from tree_dev.models.distill import (
     _ragged,
+    _save_atomic,
     _unragged,
     _windows,
     chain_acceptance,
+    load_cached,
     reduced_vocab,
     target_features,
     train_head,
@@ -70,6 +72,15 @@ def test_packing_and_windows_cover_every_position_once():
     # windows of <= 4 positions, overlapping by one (the next window's first input is the
     # previous one's last label), never across sequences, none of a 1-token sequence
     assert spans == [(0, 3), (4, 8), (7, 11)]
+
+
+def test_a_cached_stage_is_reused_only_for_the_same_settings(tmp_path):
+    path = tmp_path / "answers.safetensors"
+    assert load_cached(path, {"n_prompts": 8}) is None  # nothing cached yet
+    _save_atomic({"ids": torch.arange(4)}, path, {"n_prompts": 8, "seed": 0})
+    assert load_cached(path, {"n_prompts": 8, "seed": 0})["ids"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="cached for n_prompts=8, this run asks n_prompts=16"):
+        load_cached(path, {"n_prompts": 16, "seed": 0})
 
 
 def test_reduced_vocab_keeps_the_most_frequent_and_the_forced_tokens():

@@ -44,11 +44,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from .distill_prompts import training_texts
-from .eagle import EagleHead
+from .eagle import EagleHead, _atomic_write
 from .prompts import heldout_prompt_ids
 
 
@@ -62,6 +63,23 @@ def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, meta: dict | None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def load_cached(path: Path, expect: dict) -> dict[str, torch.Tensor] | None:
+    """The tensors of a stage's cached file, or None when there is none. A file written
+    for other settings (its metadata differs from ``expect``) is a ``ValueError`` naming
+    the file and the setting, so a rerun never trains on data it did not ask for."""
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    for key, want in expect.items():
+        if meta.get(key) != str(want):
+            raise ValueError(
+                f"{path}: cached for {key}={meta.get(key)}, this run asks {key}={want}; "
+                "remove it or give another --work"
+            )
+    return load_file(str(path))
 
 
 def _ragged(seqs: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -438,22 +456,24 @@ def run_distill(
     t0 = time.perf_counter()
 
     answers_file = work / "answers.safetensors"
-    if not answers_file.is_file():
+    settings = {"n_prompts": n_prompts, "max_tokens": max_tokens, "seed": seed}
+    if load_cached(answers_file, settings) is None:
         prompts = prompt_ids(tok, training_texts(n_prompts, seed=seed))
         answers = generate_answers(model_dir, prompts, max_tokens, temperature, seed)
         seqs = [p + a for p, a in zip(prompts, answers)]
         packed = _ragged(seqs)
         packed["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        _save_atomic(packed, answers_file, {"n_prompts": n_prompts, "max_tokens": max_tokens})
+        _save_atomic(packed, answers_file, settings)
     summary["answers_seconds"] = time.perf_counter() - t0
-    answers = load_file(str(answers_file))
+    answers = load_cached(answers_file, settings)
     seqs = _unragged(answers["ids"], answers["offsets"])
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     feats_file = work / "features.safetensors"
-    if not feats_file.is_file():
-        _save_atomic(target_features(target, seqs), feats_file)
-    feats = load_file(str(feats_file))
+    of_answers = {"tokens": int(answers["ids"].numel())}  # features of these answers
+    if load_cached(feats_file, of_answers) is None:
+        _save_atomic(target_features(target, seqs), feats_file, of_answers)
+    feats = load_cached(feats_file, of_answers)
     data = {**answers, **feats}
     summary["tokens"] = int(answers["ids"].numel())
 
@@ -479,5 +499,5 @@ def run_distill(
     head = EagleHead.from_pretrained(out, target=target)
     summary["heldout"] = chain_acceptance(head, target, ev_prompts, greedy)
     summary["seconds"] = time.perf_counter() - t0
-    (Path(out) / "distill_summary.json").write_text(json.dumps(summary, indent=1))
+    _atomic_write(Path(out) / "distill_summary.json", json.dumps(summary, indent=1).encode())
     return summary
