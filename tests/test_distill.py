@@ -22,6 +22,7 @@ from tree_dev.models.distill import (
     load_cached,
     reduced_vocab,
     target_features,
+    target_reference,
     train_head,
 )
 from tree_dev.models.distill_prompts import chat_questions, training_texts
@@ -174,3 +175,10 @@ def test_a_head_names_its_target_by_model_name(toy, tmp_path, monkeypatch):
     head.save_pretrained(tmp_path / "bad")
     with pytest.raises(ValueError, match="no-such-model"):
         EagleHead.from_pretrained(tmp_path / "bad")
+
+
+def test_a_head_names_a_named_target_by_name_and_a_directory_by_absolute_path(tmp_path):
+    assert target_reference("smollm2-135m", tmp_path) == "named:smollm2-135m"
+    (tmp_path / "m").mkdir()
+    rel = tmp_path / "m" / ".." / "m"
+    assert target_reference(str(rel), rel) == str((tmp_path / "m").resolve())

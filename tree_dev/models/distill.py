@@ -420,8 +420,13 @@ def chain_acceptance(
     }
 
 
-def _target_name(model: str) -> str:
-    return f"named:{model}" if "/" not in model else model
+def target_reference(model: str, model_dir: Path) -> str:
+    """How the head names its target: ``named:NAME`` for a model of ``NAMED_MODELS``
+    (found in the model cache anywhere), else the target directory's absolute path (a
+    relative one would be read relative to the head's directory)."""
+    from .named import is_named
+
+    return f"named:{model}" if is_named(model) else str(Path(model_dir).resolve())
 
 
 def run_distill(
@@ -482,7 +487,7 @@ def run_distill(
     cover = float(torch.isin(data["argmax"].long(), vocab).float().mean())
     summary.update(vocab=len(vocab), vocab_coverage=cover)
     head = EagleHead.from_target(target, seed=seed)
-    head.target_path = _target_name(model)
+    head.target_path = target_reference(model, model_dir)
     hist = train_head(head, data, vocab, minutes, unroll=unroll, seed=seed)
     summary["train"] = {k: v for k, v in hist.items()}
     head.save_pretrained(out, dtype=torch.bfloat16)
