@@ -138,6 +138,56 @@ def test_bad_head_is_refused_naming_the_field_before_writing(tmp_path, edit_cfg,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
 
 
+def _restricted_head(tmp_path, ids):
+    """The committed toy head over the draft vocabulary ``ids``, saved under ``tmp_path``
+    (its target given by absolute path, as ``distill-eagle`` names a directory)."""
+    from tree_dev.models.eagle import EagleHead
+
+    head = EagleHead.from_pretrained(DEFAULT_HEAD)
+    head.target_path = str(TARGET.resolve())
+    head.restrict_vocab(ids)
+    head.save_pretrained(tmp_path / "small", dtype=torch.bfloat16)
+    return tmp_path / "small"
+
+
+def test_a_draft_vocabulary_exports_as_eagle3_lm_head_rows_and_d2t(tmp_path, models):
+    ids = torch.arange(0, models.target.config.vocab_size, 3)
+    out = export_eagle_for_vllm(tmp_path / "exp", head_dir=_restricted_head(tmp_path, ids))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == len(ids) and cfg["vocab_size"] == 4096
+    assert cfg["treespec_eagle"]["shared_from_target"] == ["embed_tokens"]
+    sd = load_file(str(out / "model.safetensors"))
+    # the target's lm_head rows of the kept tokens (tied: its embedding), in the head's dtype
+    want = models.target.get_output_embeddings().weight.detach()[ids].to(torch.bfloat16)
+    assert torch.equal(sd["lm_head.weight"], want)
+    assert sd["d2t"].dtype == torch.int64 and torch.equal(sd["d2t"] + torch.arange(len(ids)), ids)
+    assert "draft_vocab" not in sd and sd["fc.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "edit_cfg, edit_sd, match",
+    [
+        (lambda c: c.update(draft_vocab_size=7), None, "draft_vocab_size 7"),
+        (lambda c: c.pop("draft_vocab_size"), None, "draft_vocab_size None"),
+        (None, lambda s: s.update(draft_vocab=s["draft_vocab"].flip(0)), "sorted and unique"),
+        (None, lambda s: s.pop("draft_vocab"), "holds no draft_vocab"),
+    ],
+)
+def test_a_bad_draft_vocabulary_is_refused_before_writing(tmp_path, edit_cfg, edit_sd, match):
+    small = _restricted_head(tmp_path, torch.arange(0, 4096, 3))
+    if edit_cfg:
+        cfg = json.loads((small / "config.json").read_text())
+        edit_cfg(cfg)
+        (small / "config.json").write_text(json.dumps(cfg))
+    if edit_sd:
+        sd = load_file(str(small / "model.safetensors"))
+        edit_sd(sd)
+        save_file(sd, str(small / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        export_eagle_for_vllm(tmp_path / "out", head_dir=small)
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_prints_the_export_dir(tmp_path, capsys):
     from tree_dev.models.__main__ import main
 

@@ -16,6 +16,7 @@ from tests.factories import (
     break_tree_mask,
     chisquare_pvalue,
     engine_models,
+    engine_tau,
     first_token_counts,
     hf_greedy,
     perturbed,
@@ -117,6 +118,38 @@ def test_eagle_head_is_lossless():
     for spec in ("chain:3", "topk:k=2,depth=3,budget=6"):
         engine = Engine(target, eagle=eagle, tree=spec, max_batch=3)
         assert engine.generate(prompts, SamplingParams(max_tokens=10)) == want, spec
+
+
+def test_eagle_draft_vocabulary_is_lossless_and_the_engine_drafts_inside_it():
+    """The committed toy head over a draft vocabulary (``EagleHead.restrict_vocab``):
+    lossless whatever the vocabulary; over every token the target emits here it accepts
+    at least what the full head accepts (an argmax inside it is the argmax over it); over
+    none of them no draft is ever accepted (tau exactly 1), so the engine drafts from
+    the restricted logits, not the full ones."""
+    from safetensors.torch import load_file
+
+    from tree_dev.models import DEFAULT_CHECKPOINT, load
+
+    ms = load()
+    windows = load_file(str(DEFAULT_CHECKPOINT / "eval_slice.safetensors"))["windows"]
+    prompts = [windows[r, s : s + 32].tolist() for r in range(windows.shape[0]) for s in (0, 64)]
+    want = [hf_greedy(ms.target, p, 24) for p in prompts]
+    emitted = torch.tensor(sorted({t for w in want for t in w}))
+    others = torch.tensor(sorted(set(range(ms.target.config.vocab_size)) - set(emitted.tolist())))
+    taus = {}
+    for name, ids in (("full", None), ("emitted", emitted), ("others", others)):
+        head = copy.deepcopy(ms.eagle)
+        if ids is not None:
+            head.restrict_vocab(ids)
+        for spec in ("chain:4", "topk:k=2,depth=3,budget=6"):
+            engine = Engine(ms.target, eagle=head, tree=spec, max_batch=4)
+            got = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+            assert got == want, (name, spec)
+            taus[name, spec] = engine_tau(engine)[0]
+    for spec in ("chain:4", "topk:k=2,depth=3,budget=6"):
+        assert taus["full", spec] > 1.5, taus
+        assert taus["emitted", spec] >= taus["full", spec] - 0.05, taus
+        assert taus["others", spec] == 1.0, taus
 
 
 def test_max_tokens_stop_tokens_and_length_limits(models):

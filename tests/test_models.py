@@ -238,3 +238,76 @@ def test_committed_checkpoint_matches_recorded_metrics():
     # and the slice is consistent with the goals (held-out text)
     assert res["target"]["bpb"] < 2.2
     assert res["eagle"]["topk_hit"]["8"] >= res["eagle"]["topk_hit"]["1"]
+
+
+# ------------------------------------------------------------------ draft vocabulary
+def test_eagle_draft_vocab_keeps_the_full_heads_logits_on_it_and_minus_inf_elsewhere(tok, tmp_path):
+    target = tiny_lm(tok)
+    save_lm(target, tok, tmp_path, "target", torch.float32)
+    head = EagleHead.from_target(target, seed=1).eval()
+    head.target_path = "../target"
+    x = torch.randint(0, len(tok), (2, 12))
+    h = target.model(input_ids=x).last_hidden_state
+    with torch.no_grad():
+        full = head(x, h).logits
+        ids = torch.arange(3, len(tok), 5)
+        head.restrict_vocab(ids)
+        out = head(x, h)
+    # reference: the full head's logits at the kept tokens, -inf at the others (fp32)
+    want = torch.full_like(full, float("-inf"))
+    want[..., ids] = full[..., ids]
+    torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)
+    assert out.logits.shape == full.shape
+    assert torch.isin(out.logits.argmax(-1), ids).all()
+    assert head.lm_head.weight.shape == (len(ids), target.config.hidden_size)
+    # what is stored and reloaded: the ids (int64), not the rows; same logits
+    head.save_pretrained(tmp_path / "eagle")
+    cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == len(ids)
+    stored = load_file(str(tmp_path / "eagle" / "model.safetensors"))
+    assert torch.equal(stored["draft_vocab"], ids) and "lm_head.weight" not in stored
+    loaded = EagleHead.from_pretrained(tmp_path / "eagle")
+    assert torch.equal(loaded.draft_vocab, ids)
+    with torch.no_grad():
+        assert torch.equal(loaded(x, h).logits, out.logits)
+    with pytest.raises(ValueError, match="already restricted"):
+        loaded.restrict_vocab(ids)
+    # a head without one stores neither
+    plain = EagleHead.from_target(target, seed=1)
+    plain.target_path = "../target"
+    plain.save_pretrained(tmp_path / "plain")
+    assert "draft_vocab_size" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert EagleHead.from_pretrained(tmp_path / "plain").draft_vocab is None
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        (torch.tensor([[1, 2]]), "1-D"),
+        (torch.tensor([], dtype=torch.long), "non-empty"),
+        (torch.tensor([1.0, 2.0]), "integer"),
+        (torch.tensor([1, 7, 5]), "entry 2 is 5 after 7"),
+        (torch.tensor([1, 3, 3]), "entry 2 is 3 after 3"),
+        (torch.tensor([0, 10_000]), "token 10000 outside"),
+        (torch.tensor([-1, 4]), "token -1 outside"),
+    ],
+)
+def test_eagle_bad_draft_vocab_is_refused_naming_it(tok, ids, match):
+    head = EagleHead.from_target(tiny_lm(tok))
+    with pytest.raises(ValueError, match=match):
+        head.restrict_vocab(ids)
+    assert head.draft_vocab is None
+
+
+def test_eagle_draft_vocab_size_disagreeing_with_the_stored_ids_is_refused(tok, tmp_path):
+    target = tiny_lm(tok)
+    head = EagleHead.from_target(target)
+    head.restrict_vocab(torch.arange(10))
+    head.save_pretrained(tmp_path / "eagle")
+    cfg_file = tmp_path / "eagle" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["draft_vocab_size"] = 11
+    cfg_file.write_text(json.dumps(cfg))
+    msg = "draft_vocab_size 11 but the weights hold a draft_vocab of 10"
+    with pytest.raises(ValueError, match=msg):
+        EagleHead.from_pretrained(tmp_path / "eagle", target=target)

@@ -16,9 +16,10 @@ stages whose file is there:
    learns the target's argmax with a cross entropy over a *reduced vocabulary*: the
    ``--vocab`` tokens most frequent among the labels (EAGLE-3 drafts over a reduced
    vocabulary too). The full 49152-row ``lm_head`` would cost four times the rest of a
-   training step here; at draft time the head keeps the target's full ``lm_head``, kept
-   calibrated by the regression. Noise on the input feature (EAGLE's recipe) makes it
-   robust to its own chained features.
+   training step here. The head then drafts over that vocabulary alone
+   (``EagleHead.restrict_vocab``: the target's ``lm_head`` rows of those tokens, six
+   times fewer than the full head's, and no untrained logit can win). Noise on the
+   input feature (EAGLE's recipe) makes it robust to its own chained features.
 4. **eval**: on the held-out prompts (``prompts.py``) the target's greedy answers, then
    the head chained along them: top-1 agreement at depth 1 and the expected accepted
    length of a greedy chain of 4 (``tau_chain4``, tokens per target forward).
@@ -490,6 +491,7 @@ def run_distill(
     head.target_path = target_reference(model, model_dir)
     hist = train_head(head, data, vocab, minutes, unroll=unroll, seed=seed)
     summary["train"] = {k: v for k, v in hist.items()}
+    head.restrict_vocab(vocab)  # it drafts over the vocabulary it was trained on
     head.save_pretrained(out, dtype=torch.bfloat16)
 
     held = heldout_prompt_ids(tok)

@@ -30,10 +30,18 @@ Shapes: ``input_ids int64[B, T]``, ``hidden_states float[B, T, hidden]``; return
 ``EagleOutput(hidden_states float[B, T, hidden], logits float[B, T, vocab],
 past_key_values)``.
 
-On disk: ``config.json`` (the decoder's ``LlamaConfig`` plus an ``"eagle"`` section)
-and ``model.safetensors`` with ``fc.*`` and ``decoder.*`` (the shared embedding and
-``lm_head`` are not stored; they come from the target, by default the checkpoint
-at ``eagle["target"]`` relative to the head's directory).
+Draft vocabulary (optional, EAGLE-3's reduced vocabulary): a head trained over the
+``Vd`` tokens most frequent in its data drafts over those alone.  Its ``lm_head`` is then
+a :class:`DraftVocabHead`: the target's rows at ``draft_vocab int64[Vd]`` (a ``Vd x H``
+product instead of ``V x H``, the bulk of a draft step on a memory-bound CPU), with
+logits ``-inf`` outside, so ``logits`` keep their ``[B, T, V]`` shape and a token outside
+the draft vocabulary has draft probability zero (lossless: the target decides).
+
+On disk: ``config.json`` (the decoder's ``LlamaConfig`` plus an ``"eagle"`` section, and
+``draft_vocab_size`` when the vocabulary is reduced) and ``model.safetensors`` with
+``fc.*``, ``decoder.*`` and, when reduced, ``draft_vocab int64[Vd]`` (the shared
+embedding and ``lm_head`` are not stored; they come from the target: ``eagle["target"]``
+is ``named:NAME``, a model of ``named.NAMED_MODELS``, or a path).
 """
 
 from __future__ import annotations
@@ -61,11 +69,72 @@ class EagleOutput:
     past_key_values: object = None
 
 
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``ids`` as a draft vocabulary of a ``vocab_size`` target: ``int64[Vd]``, sorted,
+    unique, within ``[0, vocab_size)``.  Raises ``ValueError`` naming what is wrong."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"draft vocabulary must be a non-empty 1-D tensor, got {shape}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"draft vocabulary must hold integer token ids, got {ids.dtype}")
+    ids = ids.long()
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ValueError(
+            f"draft vocabulary token {int(bad[0])} outside the target vocabulary [0, {vocab_size})"
+        )
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        at = int((ids[1:] <= ids[:-1]).nonzero()[0]) + 1
+        raise ValueError(
+            f"draft vocabulary must be sorted and unique: entry {at} is {int(ids[at])} "
+            f"after {int(ids[at - 1])}"
+        )
+    return ids
+
+
+class DraftVocabHead(nn.Module):
+    """The target's ``lm_head`` restricted to a draft vocabulary.
+
+    ``weight float[Vd, H]`` is a copy of the target head's rows ``draft_ids int64[Vd]``;
+    ``forward(x float[..., H]) -> float[..., V]`` gives the full head's logits at
+    ``draft_ids`` and ``-inf`` at every other token.
+
+    >>> full = nn.Linear(4, 10, bias=False)
+    >>> small = DraftVocabHead(full, torch.tensor([1, 5]))
+    >>> small(torch.ones(4)).isinf().sum().item()
+    8
+    """
+
+    def __init__(self, lm_head: nn.Linear, draft_ids: torch.Tensor):
+        super().__init__()
+        if getattr(lm_head, "bias", None) is not None:
+            raise ValueError("a draft vocabulary needs an lm_head without bias")
+        self.vocab_size = lm_head.weight.shape[0]
+        ids = check_draft_vocab(draft_ids, self.vocab_size)
+        self.register_buffer("draft_ids", ids, persistent=False)
+        self.weight = nn.Parameter(lm_head.weight.detach()[ids].clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = torch.nn.functional.linear(x, self.weight)
+        out = small.new_full((*x.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.draft_ids] = small
+        return out
+
+
 class EagleHead(nn.Module):
-    """EAGLE-style head sharing ``embed`` and ``lm_head`` with its target (see module doc)."""
+    """EAGLE-style head sharing ``embed`` and ``lm_head`` with its target (see module doc).
+
+    ``draft_vocab``: optional ``int64[Vd]`` token ids the head drafts over (see
+    :class:`DraftVocabHead`); ``None`` drafts over the whole vocabulary.
+    """
 
     def __init__(
-        self, config: LlamaConfig, embed: nn.Embedding, lm_head: nn.Linear, target: str = ""
+        self,
+        config: LlamaConfig,
+        embed: nn.Embedding,
+        lm_head: nn.Linear,
+        target: str = "",
+        draft_vocab: torch.Tensor | None = None,
     ):
         super().__init__()
         if config.num_hidden_layers != 1:
@@ -85,6 +154,21 @@ class EagleHead(nn.Module):
         # The decoder is only ever called with inputs_embeds; its embedding *is* the target's.
         self.decoder.embed_tokens = embed
         self.lm_head = lm_head
+        if draft_vocab is not None:
+            self.restrict_vocab(draft_vocab)
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The draft vocabulary ``int64[Vd]``, or ``None`` when it is the whole vocabulary."""
+        return self.lm_head.draft_ids if isinstance(self.lm_head, DraftVocabHead) else None
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Draft over ``ids`` alone from now on (sorted unique ``int64[Vd]``).  The rows are
+        taken from the full shared ``lm_head``; restricting twice is an error."""
+        if isinstance(self.lm_head, DraftVocabHead):
+            raise ValueError("the head's vocabulary is already restricted")
+        self.lm_head = DraftVocabHead(self.lm_head, ids)
+        self.config.draft_vocab_size = int(self.lm_head.draft_ids.numel())
 
     @classmethod
     def from_target(cls, target, seed: int = 0, **overrides) -> EagleHead:
@@ -162,7 +246,11 @@ class EagleHead(nn.Module):
             k: v.detach().to(dtype or v.dtype).contiguous()
             for k, v in self.trainable_state_dict().items()
         }
+        if self.draft_vocab is not None:
+            sd["draft_vocab"] = self.draft_vocab.to(torch.int64).cpu().contiguous()
         cfg = self.config.to_dict()
+        if self.draft_vocab is None:
+            cfg.pop("draft_vocab_size", None)
         cfg["eagle"] = {
             "target": self.target_path,
             "feature": FEATURE,
@@ -203,6 +291,7 @@ class EagleHead(nn.Module):
         eagle = raw.pop("eagle", None)
         if eagle is None:
             raise ValueError(f"{cfg_file} has no 'eagle' section: not an EAGLE head checkpoint")
+        draft_size = raw.pop("draft_vocab_size", None)
         cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype")})
         if attn_implementation is not None:
             cfg._attn_implementation = attn_implementation
@@ -222,6 +311,17 @@ class EagleHead(nn.Module):
             target=eagle["target"],
         )
         sd = load_file(str(w_file))
+        draft_vocab = sd.pop("draft_vocab", None)
+        if (draft_vocab is None) != (draft_size is None) or (
+            draft_vocab is not None and draft_vocab.numel() != draft_size
+        ):
+            got = None if draft_vocab is None else draft_vocab.numel()
+            raise ValueError(
+                f"{p}: config draft_vocab_size {draft_size} but the weights hold a "
+                f"draft_vocab of {got} tokens"
+            )
+        if draft_vocab is not None:
+            head.restrict_vocab(draft_vocab)
         missing = set(head.trainable_state_dict()) - set(sd)
         unexpected = set(sd) - set(head.trainable_state_dict())
         if missing or unexpected:

@@ -11,14 +11,21 @@ norm, a final norm: see ``tree_dev/vllm_plugin/eagle_model.py``), so the export 
 the project's own architecture, ``EagleTreespecLlamaForCausalLM``, which the
 ``treespec_tree`` vLLM plugin registers in every vLLM process.
 
-Layout (safetensors only, no embedding or ``lm_head``: vLLM shares the target's)::
+Layout (safetensors only, no embedding: vLLM shares the target's)::
 
     DIR/config.json        the head's LlamaConfig, architectures=[EagleTreespecLlamaForCausalLM],
                            plus a "treespec_eagle" section (source digest, feature contract)
     DIR/model.safetensors  fc.weight [d, 2d], fc.bias [d], layers.0.* (HF Llama names),
                            norm.weight [d]; the head's stored dtype, values unchanged
 
-The weights are renamed, never recomputed (``decoder.layers.*`` -> ``layers.*``,
+A head with a draft vocabulary (``draft_vocab``, see ``eagle.py``) adds EAGLE-3's reduced
+vocabulary: ``draft_vocab_size`` in the config, ``lm_head.weight [Vd, d]`` (the target's
+``lm_head`` rows of those tokens, read from the target checkpoint: ``lm_head.weight``, or
+the embedding of a tied model) and ``d2t int64[Vd]`` (EAGLE-3's offsets: the target id of
+draft token ``i`` is ``i + d2t[i]``).  A head without one shares the target's whole
+``lm_head``.
+
+The head's weights are renamed, never recomputed (``decoder.layers.*`` -> ``layers.*``,
 ``decoder.norm`` -> ``norm``).  A directory is written whole into a temporary sibling
 and renamed into place.  Without ``out_dir`` the export is cached under
 ``results/vllm_eagle/<digest>/``, keyed by the sha256 of the head's files and the
@@ -34,13 +41,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import DEFAULT_CHECKPOINT, REPO_ROOT
+from .eagle import _target_dir, check_draft_vocab
 
 ARCHITECTURE = "EagleTreespecLlamaForCausalLM"  # == tree_dev.vllm_plugin.eagle_model.ARCHITECTURE
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_HEAD = DEFAULT_CHECKPOINT / "eagle"
 CACHE_DIR = REPO_ROOT / "results" / "vllm_eagle"
 _LAYER_KEYS = (
@@ -97,6 +106,8 @@ def _convert(head_dir: Path, digest: str) -> tuple[dict, dict]:
     tensors = {}
     with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
+        draft_vocab = f.get_tensor("draft_vocab") if "draft_vocab" in keys else None
+        keys.discard("draft_vocab")
         unexpected = sorted(keys - set(expected))
         missing = sorted(set(expected) - keys)
         if unexpected or missing:
@@ -113,6 +124,20 @@ def _convert(head_dir: Path, digest: str) -> tuple[dict, dict]:
     if len(dtypes) != 1:
         raise ValueError(f"tensors of the head have mixed dtypes {sorted(dtypes)}")
     cfg = {k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "_name_or_path")}
+    shared = ["embed_tokens", "lm_head"]
+    if draft_vocab is not None:
+        ids = check_draft_vocab(draft_vocab, raw["vocab_size"])
+        if raw.get("draft_vocab_size") != ids.numel():
+            raise ValueError(
+                f"config.json draft_vocab_size {raw.get('draft_vocab_size')!r} but the head "
+                f"holds a draft_vocab of {ids.numel()} tokens"
+            )
+        rows = _target_lm_head(head_dir, eagle.get("target", ""), raw)[ids]
+        tensors["lm_head.weight"] = rows.to(next(iter(tensors.values())).dtype).contiguous()
+        tensors["d2t"] = (ids - torch.arange(ids.numel())).contiguous()
+        shared = ["embed_tokens"]
+    elif "draft_vocab_size" in cfg:
+        raise ValueError("config.json has draft_vocab_size but the head holds no draft_vocab")
     cfg.update(
         architectures=[ARCHITECTURE],
         model_type="llama",
@@ -124,11 +149,35 @@ def _convert(head_dir: Path, digest: str) -> tuple[dict, dict]:
             "source_sha256": digest,
             "feature": eagle.get("feature"),
             "output": eagle.get("output"),
-            "shared_from_target": ["embed_tokens", "lm_head"],
+            "shared_from_target": shared,
             "loads_with": "the treespec_tree vLLM plugin (registers the architecture)",
         },
     )
     return cfg, tensors
+
+
+def _target_lm_head(head_dir: Path, target: str, raw: dict) -> torch.Tensor:
+    """The target's ``lm_head`` weight ``[V, d]`` read from its safetensors (the input
+    embedding of a model with tied embeddings)."""
+    tdir = _target_dir(head_dir, target)
+    files = sorted(tdir.glob("*.safetensors")) if tdir.is_dir() else []
+    if not target or not files:
+        raise FileNotFoundError(
+            f"target checkpoint of EAGLE head {head_dir} (needed for its draft vocabulary "
+            f"rows) not found: {tdir}"
+        )
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                if name in f.keys():
+                    w = f.get_tensor(name)
+                    if tuple(w.shape) != (raw["vocab_size"], raw["hidden_size"]):
+                        raise ValueError(
+                            f"{file}: {name} has shape {tuple(w.shape)}, expected "
+                            f"({raw['vocab_size']}, {raw['hidden_size']})"
+                        )
+                    return w
+    raise ValueError(f"target checkpoint {tdir} has neither lm_head.weight nor an embedding")
 
 
 def _display(path: Path) -> str:

@@ -30,7 +30,11 @@ reads *and* the feature fed back for the next draft step, as in the project's en
 vLLM gives the pair ``(x_{i+1}, h_i)`` position ``i`` where the project uses ``i + 1``;
 rotary attention depends only on position differences, so the result is the same.
 The embedding and ``lm_head`` are not in the checkpoint: vLLM's proposer shares the
-target's (``has_own_embed_tokens`` / ``has_own_lm_head`` stay False).
+target's (``has_own_embed_tokens`` / ``has_own_lm_head`` stay False).  A head with a
+draft vocabulary (``draft_vocab_size`` < ``vocab_size``, EAGLE-3's reduced vocabulary)
+carries its own ``lm_head [Vd, d]`` (the target's rows of those tokens) and ``d2t``
+(target id of draft token ``i`` = ``i + d2t[i]``); ``compute_logits`` then returns
+``float[R, V]`` with ``-inf`` outside the draft vocabulary, as EAGLE-3 does in vLLM.
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.llama_eagle import LlamaDecoderLayer as EagleDecoderLayer
 from vllm.model_executor.models.llama_eagle import LlamaModel as EagleLlamaModel
@@ -142,12 +149,43 @@ class EagleTreespecLlamaForCausalLM(EagleLlamaForCausalLM):
             prefix=maybe_prefix(prefix, "model"),
             start_layer_id=target_layers,
         )
-        self.logits_processor = LogitsProcessor(
-            self.config.vocab_size, scale=getattr(self.config, "logit_scale", 1.0)
-        )
+        draft_vocab = self.config.draft_vocab_size
+        self.reduced_vocab = draft_vocab != self.config.vocab_size
+        scale = getattr(self.config, "logit_scale", 1.0)
+        self.logits_processor = LogitsProcessor(draft_vocab, scale=scale)
+        if self.reduced_vocab:
+            if not 0 < draft_vocab < self.config.vocab_size:
+                raise ValueError(
+                    f"draft_vocab_size {draft_vocab} must be in (0, vocab_size="
+                    f"{self.config.vocab_size}]"
+                )
+            self.lm_head = ParallelLMHead(
+                draft_vocab,
+                self.config.hidden_size,
+                quant_config=get_draft_quant_config(vllm_config),
+                prefix=maybe_prefix(prefix, "lm_head"),
+            )
+            self.has_own_lm_head = True  # vLLM's proposer must not share the target's
+            self.draft_id_to_target_id = nn.Parameter(
+                torch.zeros(draft_vocab, dtype=torch.long), requires_grad=False
+            )
+            self._target_ids: torch.Tensor | None = None
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """``float[R, d]`` -> ``float[R, V]`` (``-inf`` outside a draft vocabulary)."""
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        if not self.reduced_vocab or logits is None:
+            return logits
+        if self._target_ids is None:  # d2t is loaded after __init__
+            base = torch.arange(self.config.draft_vocab_size, device=logits.device)
+            self._target_ids = base + self.draft_id_to_target_id
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, self._target_ids] = logits
+        return full
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load ``fc.*``, ``layers.*``, ``norm.*``; an embedding or lm_head is an error.
+        """Load ``fc.*``, ``layers.*``, ``norm.*`` (and ``lm_head.weight`` + ``d2t`` with a
+        draft vocabulary); an embedding, or an ``lm_head`` without one, is an error.
 
         Returns the loaded names plus the embedding the proposer shares from the target,
         so vLLM's loader rejects a checkpoint that leaves any other weight unset.
@@ -155,15 +193,24 @@ class EagleTreespecLlamaForCausalLM(EagleLlamaForCausalLM):
 
         def renamed():
             for name, w in weights:
-                if "lm_head" in name or "embed_tokens" in name:
+                if self.reduced_vocab and name in ("lm_head.weight", "d2t"):
+                    yield ("draft_id_to_target_id" if name == "d2t" else name), w
+                    continue
+                if "lm_head" in name or "embed_tokens" in name or name == "d2t":
                     raise ValueError(
-                        f"{name}: an exported treespec EAGLE head shares the target's "
-                        "embedding and lm_head; the checkpoint must not carry them"
+                        f"{name}: an exported treespec EAGLE head without a draft vocabulary "
+                        "shares the target's embedding and lm_head; the checkpoint must "
+                        "not carry them"
                     )
                 yield "model." + name, w
 
-        loaded = AutoWeightsLoader(self).load_weights(renamed())
-        return set(loaded) | {"model.embed_tokens.weight"}
+        loaded = set(AutoWeightsLoader(self).load_weights(renamed()))
+        if self.reduced_vocab and not {"lm_head.weight", "draft_id_to_target_id"} <= loaded:
+            raise ValueError(
+                f"draft_vocab_size {self.config.draft_vocab_size} < vocab_size: the "
+                "checkpoint must carry lm_head.weight and d2t"
+            )
+        return loaded | {"model.embed_tokens.weight"}
 
 
 class EagleCaptureExtension:
