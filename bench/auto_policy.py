@@ -10,11 +10,12 @@ fixed tree of the cell (issue 34's goals: >= 1.0x plain, >= 0.95x the best fixed
 mixed traffic ahead of every fixed tree).
 
     python -m bench.auto_policy                        # the toy: draft LM candidates
-    python -m bench.auto_policy --model smollm2-135m   # the real model: trie candidates
+    python -m bench.auto_policy --model smollm2-135m   # the real model: its EAGLE head's
+    python -m bench.auto_policy --model smollm2-135m --drafter none   # trie candidates
 
 The auto engine's cost model is the cached one of this machine, else measured at its
 start (``calibrate_auto``; its seconds are in ``startup_s``).
-Writes ``results/auto_policy[_MODEL].json`` and a plot beside it.
+Writes ``results/auto_policy[_MODEL][_eagle].json`` and a plot beside it.
 """
 
 from __future__ import annotations
@@ -63,16 +64,18 @@ def _tree(method: str, model: str | None, tree: str, label: str | None = None) -
     }
 
 
-def configs(draft: str | None, have_suffix: bool) -> list[dict]:
-    """vLLM plain; auto; every candidate of auto as a fixed tree; vLLM's own methods."""
+def configs(draft: str | None, have_suffix: bool, method: str = "draft_model") -> list[dict]:
+    """vLLM plain; auto; every candidate of auto as a fixed tree; vLLM's own methods.
+    ``draft``: the draft model (``method`` ``draft_model``) or EAGLE export (``eagle``)
+    auto chooses over, with ``AUTO_MODEL_CANDIDATES``; None: tries alone."""
     out = [{"name": "vllm plain", "spec": None, "tree": None, "method": None, "budget": 0}]
     if draft is not None:
-        out.append(_tree("draft_model", draft, "auto", "auto draft_model"))
+        out.append(_tree(method, draft, "auto", f"auto {method}"))
         for c in AUTO_MODEL_CANDIDATES:
-            kind = "ngram" if c.startswith("ngram") else "draft_model"
+            kind = "ngram" if c.startswith("ngram") else method
             out.append(_tree(kind, None if kind == "ngram" else draft, c))
-        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
-        out.append({"name": "vllm draft_model chain k=4", "spec": spec, "tree": None})
+        spec = {"method": method, "model": draft, "num_speculative_tokens": 4}
+        out.append({"name": f"vllm {method} chain k=4", "spec": spec, "tree": None})
     else:
         out.append(_tree("ngram", None, "auto", "auto ngram"))
         for c in AUTO_TRIE_CANDIDATES:
@@ -182,6 +185,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--drafter",
+        choices=("auto", "draft_model", "eagle", "none"),
+        default="auto",
+        help="what auto drafts with: the model set's draft LM, the EAGLE head, or tries "
+        "alone (none); auto: the draft LM of a model set, else the model's EAGLE head",
+    )
     ap.add_argument("--only", default=None, help="comma-separated substrings of engine names")
     ap.add_argument("--out", default=None, help="JSON path (default results/auto_policy*.json)")
     args = ap.parse_args()
@@ -197,7 +207,13 @@ def main() -> None:
         setup = model_setup(args.model, 48, args.prompt_tokens, args.eager)
     prompts = setup["prompts"]
     sets = prompt_sets(prompts[:-2], args.batch1_prompts, args.reps)
-    grid = configs(setup.get("draft"), find_spec("arctic_inference") is not None)
+    method = args.drafter
+    if method == "auto":
+        method = "draft_model" if setup.get("draft") else "eagle" if setup.get("eagle") else "none"
+    draft = None if method == "none" else setup.get("draft" if method == "draft_model" else method)
+    if method != "none" and draft is None:
+        raise SystemExit(f"--drafter {method}: {args.model} has none")
+    grid = configs(draft, find_spec("arctic_inference") is not None, method)
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
@@ -216,6 +232,7 @@ def main() -> None:
         shutdown_engine(plain)
     summary = summarize(results)
     suffix = "" if args.model == "stdlib-v1" else f"_{Path(args.model).name}"
+    suffix += "_eagle" if method == "eagle" else ""
     out = Path(args.out or ROOT / "results" / f"auto_policy{suffix}.json")
     atomic_write_json(out, {"args": vars(args), "results": results, "summary": summary})
     title = f"tree: auto vs fixed trees, vLLM 0.32 CPU, {args.model}, {args.reps} reps"
