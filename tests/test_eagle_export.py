@@ -101,9 +101,11 @@ def test_default_export_lives_under_results_keyed_by_digest():
     assert export_eagle_for_vllm() == out
 
 
-def _bad_head(tmp_path, edit_cfg=None, edit_sd=None):
+def _bad_head(tmp_path, edit_cfg=None, edit_sd=None, source=DEFAULT_HEAD):
+    """A copy of the head in ``source`` as ``tmp_path / "bad"``, its config and weights
+    edited in place by ``edit_cfg(dict)`` / ``edit_sd(dict of tensors)``."""
     bad = tmp_path / "bad"
-    shutil.copytree(DEFAULT_HEAD, bad)
+    shutil.copytree(source, bad)
     if edit_cfg:
         cfg = json.loads((bad / "config.json").read_text())
         edit_cfg(cfg)
@@ -175,16 +177,9 @@ def test_a_draft_vocabulary_exports_as_eagle3_lm_head_rows_and_d2t(tmp_path, mod
 )
 def test_a_bad_draft_vocabulary_is_refused_before_writing(tmp_path, edit_cfg, edit_sd, match):
     small = _restricted_head(tmp_path, torch.arange(0, 4096, 3))
-    if edit_cfg:
-        cfg = json.loads((small / "config.json").read_text())
-        edit_cfg(cfg)
-        (small / "config.json").write_text(json.dumps(cfg))
-    if edit_sd:
-        sd = load_file(str(small / "model.safetensors"))
-        edit_sd(sd)
-        save_file(sd, str(small / "model.safetensors"))
+    bad = _bad_head(tmp_path, edit_cfg, edit_sd, source=small)
     with pytest.raises(ValueError, match=match):
-        export_eagle_for_vllm(tmp_path / "out", head_dir=small)
+        export_eagle_for_vllm(tmp_path / "out", head_dir=bad)
     assert not (tmp_path / "out").exists()
 
 
