@@ -15,7 +15,6 @@ from tree_dev.models import EagleHead, load
 from tree_dev.models.data import corpus_files, read_texts
 from tree_dev.models.distill import (
     _ragged,
-    _save_atomic,
     _unragged,
     _windows,
     chain_acceptance,
@@ -26,6 +25,7 @@ from tree_dev.models.distill import (
     train_head,
 )
 from tree_dev.models.distill_prompts import chat_questions, training_texts
+from tree_dev.models.eagle import save_safetensors_atomic
 from tree_dev.models.prompts import heldout_texts
 
 
@@ -78,7 +78,7 @@ def test_packing_and_windows_cover_every_position_once():
 def test_a_cached_stage_is_reused_only_for_the_same_settings(tmp_path):
     path = tmp_path / "answers.safetensors"
     assert load_cached(path, {"n_prompts": 8}) is None  # nothing cached yet
-    _save_atomic({"ids": torch.arange(4)}, path, {"n_prompts": 8, "seed": 0})
+    save_safetensors_atomic({"ids": torch.arange(4)}, path, {"n_prompts": 8, "seed": 0})
     assert load_cached(path, {"n_prompts": 8, "seed": 0})["ids"].tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="cached for n_prompts=8, this run asks n_prompts=16"):
         load_cached(path, {"n_prompts": 16, "seed": 0})

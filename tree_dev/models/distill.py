@@ -39,31 +39,18 @@ import json
 import math
 import os
 import random
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from .distill_prompts import training_texts
-from .eagle import EagleHead, _atomic_write
+from .eagle import EagleHead, _atomic_write, save_safetensors_atomic
 from .prompts import heldout_prompt_ids
-
-
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path, meta: dict | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={k: str(v) for k, v in (meta or {}).items()})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load_cached(path: Path, expect: dict) -> dict[str, torch.Tensor] | None:
@@ -463,23 +450,23 @@ def run_distill(
 
     answers_file = work / "answers.safetensors"
     settings = {"n_prompts": n_prompts, "max_tokens": max_tokens, "seed": seed}
-    if load_cached(answers_file, settings) is None:
-        prompts = prompt_ids(tok, training_texts(n_prompts, seed=seed))
-        answers = generate_answers(model_dir, prompts, max_tokens, temperature, seed)
-        seqs = [p + a for p, a in zip(prompts, answers)]
-        packed = _ragged(seqs)
-        packed["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        _save_atomic(packed, answers_file, settings)
-    summary["answers_seconds"] = time.perf_counter() - t0
     answers = load_cached(answers_file, settings)
+    if answers is None:
+        prompts = prompt_ids(tok, training_texts(n_prompts, seed=seed))
+        outputs = generate_answers(model_dir, prompts, max_tokens, temperature, seed)
+        answers = _ragged([p + a for p, a in zip(prompts, outputs)])
+        answers["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        save_safetensors_atomic(answers, answers_file, settings)
+    summary["answers_seconds"] = time.perf_counter() - t0
     seqs = _unragged(answers["ids"], answers["offsets"])
 
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     feats_file = work / "features.safetensors"
     of_answers = {"tokens": int(answers["ids"].numel())}  # features of these answers
-    if load_cached(feats_file, of_answers) is None:
-        _save_atomic(target_features(target, seqs), feats_file, of_answers)
     feats = load_cached(feats_file, of_answers)
+    if feats is None:
+        feats = target_features(target, seqs)
+        save_safetensors_atomic(feats, feats_file, of_answers)
     data = {**answers, **feats}
     summary["tokens"] = int(answers["ids"].numel())
 

@@ -258,14 +258,7 @@ class EagleHead(nn.Module):
             "torch_dtype": str(next(iter(sd.values())).dtype).removeprefix("torch."),
         }
         _atomic_write(p / "config.json", json.dumps(cfg, indent=2, sort_keys=True).encode())
-        fd, tmp = tempfile.mkstemp(dir=p, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(sd, tmp, metadata={"format": "pt"})
-            os.replace(tmp, p / "model.safetensors")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        save_safetensors_atomic(sd, p / "model.safetensors", {"format": "pt"})
 
     @classmethod
     def from_pretrained(
@@ -304,12 +297,6 @@ class EagleHead(nn.Module):
             target = AutoModelForCausalLM.from_pretrained(
                 str(tpath), dtype=torch_dtype, local_files_only=True
             )
-        head = cls(
-            cfg,
-            target.get_input_embeddings(),
-            target.get_output_embeddings(),
-            target=eagle["target"],
-        )
         sd = load_file(str(w_file))
         draft_vocab = sd.pop("draft_vocab", None)
         if (draft_vocab is None) != (draft_size is None) or (
@@ -320,8 +307,13 @@ class EagleHead(nn.Module):
                 f"{p}: config draft_vocab_size {draft_size} but the weights hold a "
                 f"draft_vocab of {got} tokens"
             )
-        if draft_vocab is not None:
-            head.restrict_vocab(draft_vocab)
+        head = cls(
+            cfg,
+            target.get_input_embeddings(),
+            target.get_output_embeddings(),
+            target=eagle["target"],
+            draft_vocab=draft_vocab,
+        )
         missing = set(head.trainable_state_dict()) - set(sd)
         unexpected = set(sd) - set(head.trainable_state_dict())
         if missing or unexpected:
@@ -344,6 +336,22 @@ def _target_dir(head_dir: Path, target: str) -> Path:
 
         return resolve_model(target.removeprefix("named:"))
     return (head_dir / target).resolve()
+
+
+def save_safetensors_atomic(
+    tensors: dict[str, torch.Tensor], path: Path, meta: dict | None = None
+) -> None:
+    """``tensors`` to ``path`` (safetensors, ``meta`` as string metadata) through a
+    temporary sibling renamed into place: a crash leaves the old file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={k: str(v) for k, v in (meta or {}).items()})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
