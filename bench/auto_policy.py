@@ -49,7 +49,9 @@ SCENARIOS = (
 )
 
 
-def _tree(method: str, model: str | None, tree: str, label: str | None = None) -> dict:
+def tree_engine(method: str, model: str | None, tree: str, label: str | None = None) -> dict:
+    """The engine configuration of plugin tree ``tree`` (``+sampled``: sampled drafts) on
+    vLLM method ``method`` with draft ``model``; ``label`` None: a fixed tree of the grid."""
     sampled = tree.endswith("+sampled")
     spec = tree.removesuffix("+sampled")
     settings = TreeSettings.parse(spec, sampled, draft=DRAFT_OF_VLLM_METHOD[method])
@@ -70,16 +72,16 @@ def configs(draft: str | None, have_suffix: bool, method: str = "draft_model") -
     auto chooses over, with ``AUTO_MODEL_CANDIDATES``; None: tries alone."""
     out = [{"name": "vllm plain", "spec": None, "tree": None, "method": None, "budget": 0}]
     if draft is not None:
-        out.append(_tree(method, draft, "auto", f"auto {method}"))
+        out.append(tree_engine(method, draft, "auto", f"auto {method}"))
         for c in AUTO_MODEL_CANDIDATES:
             kind = "ngram" if c.startswith("ngram") else method
-            out.append(_tree(kind, None if kind == "ngram" else draft, c))
+            out.append(tree_engine(kind, None if kind == "ngram" else draft, c))
         spec = {"method": method, "model": draft, "num_speculative_tokens": 4}
         out.append({"name": f"vllm {method} chain k=4", "spec": spec, "tree": None})
     else:
-        out.append(_tree("ngram", None, "auto", "auto ngram"))
+        out.append(tree_engine("ngram", None, "auto", "auto ngram"))
         for c in AUTO_TRIE_CANDIDATES:
-            out.append(_tree("ngram", None, c))
+            out.append(tree_engine("ngram", None, c))
     out.append(
         {
             "name": "vllm ngram k=4",

@@ -186,18 +186,24 @@ def model_setup(model: str, n: int, prompt_tokens: int, eager: bool | None) -> d
 
 
 def start_engine(cfg: dict, llm_kw: dict | None = None, warm_prompts=None):
-    """One warmed ``LLM`` of a configuration and its start-up seconds."""
+    """One warmed ``LLM`` of a configuration and its start-up seconds. ``cfg["env"]``:
+    environment for its start; ``cfg["force"]``: the candidate a ``tree: auto`` engine
+    gives every request (``treespec_auto_force``), after its calibration."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    env = {"TREESPEC_DRAFT_ATTENTION": "tree"} if cfg.get("draft_attention") == "tree" else None
-    llm, startup = bench_llm(cfg, env, **(llm_kw or {}))
+    env = dict(cfg.get("env") or {})
+    if cfg.get("draft_attention") == "tree":
+        env["TREESPEC_DRAFT_ATTENTION"] = "tree"
+    llm, startup = bench_llm(cfg, env or None, **(llm_kw or {}))
     if (cfg.get("tree") or "").startswith("auto"):  # its cost model: cached, or measured now
         from tree_dev.vllm_plugin.auto_choice import calibrate_auto
 
         t = time.perf_counter()
         calibrate_auto(llm)
         startup += time.perf_counter() - t
+        if cfg.get("force") is not None:
+            llm.collective_rpc("treespec_auto_force", args=(cfg["force"],))
     warm = [TokensPrompt(prompt_token_ids=p) for p in (warm_prompts or held_out(2, 32))[:2]]
     llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     return llm, startup

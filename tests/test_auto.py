@@ -587,3 +587,24 @@ def test_unavailable_tries_are_neither_chosen_nor_learnt():
     assert policy.tracker.counts("r", "ngram:budget=8", "greedy") == (0.0, [], [])
     # with a match, the untried trie is offered again (its optimistic prior: 8 deep)
     assert policy.choose([("r", 0.0)], {"r": set()})["r"].name == "ngram:budget=8"
+
+
+def test_vllm_refit_records_the_realised_step_shape(tmp_path):
+    """Inside vLLM the online refit learns from each step's shape as run, not the chosen
+    candidates' nominal ones: a trie that matched 3 tokens verifies 4 rows, not its
+    budget's 9; a request whose trie found nothing verifies its root alone."""
+    from tree_dev.spec import parse_tree_spec
+    from tree_dev.step import RequestStep
+    from tree_dev.vllm_plugin.auto_choice import VllmAuto
+
+    policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
+    va = VllmAuto(policy, "m", "d", "float32", "cpu", cost_model=CostModel(**COLLAPSE))
+    va.force("ngram:budget=8")
+    va.choose([("a", 0.0), ("b", 0.0)])
+    va.drafted()
+    va.step_begin()
+    tree = RequestStep("a", 5, [1] * 6, [-1, 0, 1, 2], [7, 8, 9, 10], 3, [0, 1], [8, 4])
+    va.on_step_event(SimpleNamespace(requests=[tree]))  # "b" verified no tree
+    va.step_done()
+    assert list(va.samples)[-1][0] == Shape(4 + 1, 0, 0)
+    assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0)

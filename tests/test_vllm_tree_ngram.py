@@ -73,6 +73,29 @@ def test_chain_only_features_fall_back_to_exact_plain_decoding(reference, llm):
 
 
 @pytest.mark.full
+def test_trees_beside_plain_requests_skip_vllms_rejection_sampler(reference, llm):
+    """Tree requests and requests that get no tree (chain-only sampling features) in one
+    batch: every output equals vLLM plain's. With no logprobs asked, the steps are sampled
+    without vLLM's rejection sampler (vLLM's sampler on the last rows, then the walk); a
+    batch with a logprobs request goes through the rejection sampler, still exact."""
+    from vllm_engines import generate, greedy_params
+
+    trees, fallback = PROMPTS[:6], list(FALLBACK)
+    params = greedy_params(len(trees)) + fallback_params()
+    no_logprobs = [i for i, p in enumerate(params) if p.logprobs is None]
+    before = tree_stats(llm)["sampler_steps"]
+    outs = generate(
+        llm, [(trees + fallback)[i] for i in no_logprobs], [params[i] for i in no_logprobs]
+    )
+    mid = tree_stats(llm)["sampler_steps"]
+    want = reference[0][: len(trees)] + reference[1]
+    assert outs == [want[i] for i in no_logprobs]
+    assert mid["bonus_rows"] > before["bonus_rows"] and mid["rejection"] == before["rejection"]
+    assert generate(llm, trees + fallback, params) == want
+    assert tree_stats(llm)["sampler_steps"]["rejection"] > mid["rejection"]
+
+
+@pytest.mark.full
 def test_trie_drafts_are_accepted_and_requests_were_preempted(reference, llm):
     stats = tree_stats(llm)
     assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 1.2

@@ -117,7 +117,7 @@ class VllmAuto:
             began = self._t_begin
             if self._draft_s is not None and began is not None and began >= self._t_choose:
                 seconds = self._draft_s + (now - began)
-            shape = batch_shape(c.shape for c in self._chosen.values())
+            shape = self._realised_shape(got)
             if self._forced is None:
                 self.auto.record(records, seconds)
             if seconds is not None and shape.verify_rows > 0:
@@ -125,6 +125,21 @@ class VllmAuto:
                 self._since_fit += 1
                 self._maybe_refit()
         self._events, self._chosen, self._draft_s = [], {}, None
+
+    def _realised_shape(self, got: dict) -> Shape:
+        """The closed step's shape as run: a verified tree's own nodes (a trie that matched
+        little is smaller than its budget; a tree vLLM cut is its prefix), the root alone
+        for a request with no verified tree (``none``, a trie without a match); draft
+        levels and rows of the candidate when its tree was drafted by the model."""
+        parts = []
+        for rid, cand in self._chosen.items():
+            step = got.get(rid)
+            if step is None:
+                parts.append(Shape(1, 0, 0))
+            else:
+                nominal = cand.shape
+                parts.append(Shape(len(step.parents), nominal.draft_levels, nominal.draft_rows))
+        return batch_shape(parts)
 
     def choose(
         self, requests: list[tuple[str, float]], unavailable: dict | None = None

@@ -292,8 +292,8 @@ def _sample(orig):
         st = getattr(self, "_treespec", None)
         if st is None:
             return orig(self, logits, spec_decode_metadata)
-        out = st.sampler_output_for_trees(spec_decode_metadata)
-        if out is None:  # some row is not a tree: vLLM's sampler for the batch first
+        out = st.sampler_output(logits, spec_decode_metadata)
+        if out is None:  # no tree, or logprobs asked: vLLM's samplers for the batch first
             out = orig(self, logits, spec_decode_metadata)
         st.walk_and_compact(logits, spec_decode_metadata, out)
         return out
@@ -372,8 +372,9 @@ CATALOGUE: tuple[Patch, ...] = (
     ),
     Patch(
         f"{_RUNNER}._sample",
-        "the tree walk, then KV compaction (vLLM's sampler is skipped when every request of "
-        "the batch is a tree: the walk writes every row)",
+        "the tree walk, then KV compaction; vLLM's rejection sampler is skipped on a step "
+        "with trees (every drafted request is a tree the walk decides; requests without a "
+        "draft get vLLM's sampler on their last row, as the rejection sampler samples them)",
         "wrap",
         _sample,
     ),

@@ -26,6 +26,7 @@ processors) get no tree: vLLM decodes them plainly, which is exact, only not fas
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +101,9 @@ class TreeRunner:
         from tree_dev.vllm_plugin.worker_methods import Profiler
 
         self._profile = Profiler.from_env()
+        # a developer switch for A/B runs (bench.spec_floor): "vllm" keeps vLLM's rejection
+        # sampler on every speculative step, as before ``sampler_output`` skipped it
+        self._vllm_sampler = os.environ.get("TREESPEC_SAMPLER") == "vllm"
 
     # ----------------------------------------------------------------- set-up
     def on_step(self, listener: Callable[[StepEvent], None]) -> None:
@@ -211,21 +215,49 @@ class TreeRunner:
             self.verify_rows = rows
 
     # ----------------------------------------------------------------- walk
-    def sampler_output_for_trees(self, spec_meta):
-        """An empty ``SamplerOutput`` (``-1`` everywhere) when every request of the batch
-        is verifying a tree (the walk then writes every row, so vLLM's sampler and
-        rejection sampler need not run); None otherwise."""
-        v = self.verify
-        if v is None or spec_meta is None:
+    def sampler_output(self, logits: torch.Tensor, spec_meta):
+        """The step's ``SamplerOutput`` before the walk, without vLLM's rejection sampler
+        where it has nothing to do; None: run vLLM's (its output goes to the walk too).
+
+        In vLLM 0.32 a speculative engine runs the rejection sampler on every step, also
+        for requests with no draft; at temperature > 0 it draws a ``[requests, vocab]``
+        exponential for recovered tokens even when no draft is verified (about 7 ms a step
+        for 8 requests of a 49152-token vocabulary on this CPU). Here every request that
+        drafted is a tree (``prepare_verify``), which the walk decides; so:
+
+        - every request verifies a tree: ``-1`` everywhere (the walk writes every row);
+        - else: vLLM's sampler over the requests' last rows (``bonus_logits_indices``), as
+          the rejection sampler samples a request with no draft, ``-1`` padded; the walk
+          then overwrites the tree requests' rows;
+        - a request asks for logprobs (their rows are the rejection sampler's): None.
+
+        A step without trees (no request drafted: ``tree: auto`` chose ``none``, or every
+        request is in its prefill) is the second case for every request. ``spec_meta``
+        None (vLLM's plain step): None.
+        """
+        if spec_meta is None or self._vllm_sampler:
             return None
-        batch = self.runner.input_batch
-        if len(v.req_index) != batch.num_reqs:
+        r, v = self.runner, self.verify
+        batch, sm = r.input_batch, r.input_batch.sampling_metadata
+        trees = 0 if v is None else len(v.req_index)
+        if sm.max_num_logprobs is not None or (v is None and any(spec_meta.num_draft_tokens)):
+            self.stats.sampler_steps["rejection"] += 1
             return None
         from vllm.v1.outputs import SamplerOutput
 
         batch.update_async_output_token_ids()
         width = max(spec_meta.num_draft_tokens) + 1
         ids = torch.full((batch.num_reqs, width), -1, dtype=torch.int32)
+        if trees == batch.num_reqs:
+            self.stats.sampler_steps["trees_only"] += 1
+        else:
+            bonus = r.sampler(
+                logits=logits[spec_meta.bonus_logits_indices],
+                sampling_metadata=sm,
+                predict_bonus_token=True,  # penalties see no draft tokens, as vLLM's
+            ).sampled_token_ids
+            ids[:, :1] = bonus.to(device=ids.device, dtype=ids.dtype)[:, :1]
+            self.stats.sampler_steps["bonus_rows"] += 1
         return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
 
     def walk_and_compact(self, logits: torch.Tensor, spec_meta, sampler_output) -> None:

@@ -25,6 +25,12 @@ class Stats:
     walks: dict[str, int] = field(default_factory=dict)  # requests walked per mode
     # draft forwards by attention path: "causal" (vLLM's kernel), "tree" (tree attention)
     draft_forwards: dict[str, int] = field(default_factory=lambda: {"causal": 0, "tree": 0})
+    # steps by what sampled them: "trees_only" (the walk alone), "bonus_rows" (vLLM's
+    # sampler on the requests' last rows, then the walk), "rejection" (vLLM's rejection
+    # sampler: logprobs asked)
+    sampler_steps: dict[str, int] = field(
+        default_factory=lambda: {"trees_only": 0, "bonus_rows": 0, "rejection": 0}
+    )
     seconds: dict[str, float] = field(
         default_factory=lambda: {"walk": 0.0, "compact": 0.0, "propose": 0.0, "tree_attention": 0.0}
     )
@@ -48,6 +54,7 @@ class Stats:
             "fallback_requests": self.fallback_requests,
             "walks": dict(self.walks),
             "draft_forwards": dict(self.draft_forwards),
+            "sampler_steps": dict(self.sampler_steps),
             "seconds": dict(self.seconds),
         }
 
