@@ -137,6 +137,7 @@ def summarize(results: list[dict]) -> dict:
             "worst_fixed_ratio": ratio(worst),
             "auto_vs_best_fixed": ratio(auto) / ratio(best),
             "auto_tau": auto["scenarios"][s].get("tau"),
+            "auto_choices": auto["scenarios"][s].get("auto_choices"),
         }
         if builtin:
             b = max(builtin, key=ratio)

@@ -48,7 +48,13 @@ def configs(eagle: str | None) -> list[dict]:
     never |= {"prompt_lookup_min": 64, "prompt_lookup_max": 64}
     out = [
         {"name": "vllm plain", "spec": None, "tree": None, "method": None, "budget": 0},
-        {"name": "vllm ngram k=4, never matching", "spec": never, "tree": None, "budget": 4},
+        {
+            "name": "vllm ngram k=4, never matching",
+            "spec": never,
+            "tree": None,
+            "method": "ngram",
+            "budget": 4,
+        },
         _auto("ngram", None, "tree auto (tries), none forced"),
         _auto(
             "ngram",

@@ -278,9 +278,11 @@ def run_engine(
         "startup_s": startup,
         "scenarios": {},
     }
+    auto = (cfg.get("tree") or "").startswith("auto")
     try:
         for si, (label, conc, temp) in enumerate(scenarios):
             mine, base, ratios, n_out, acc = [], [], [], 0, {}
+            chosen_before = _auto_choices(llm) if auto else None
             for rep in range(reps):
                 order = [llm, plain] if rep % 2 == 0 else [plain, llm]
                 for engine in order:
@@ -302,6 +304,8 @@ def run_engine(
             }
             if plain is not None:
                 row["vllm_plain_tokens_per_s"] = statistics.median(base)
+            if auto:  # what auto gave the requests of this cell, over its reps
+                row["auto_choices"] = choices_since(chosen_before, _auto_choices(llm))
             res["scenarios"][f"{label} T={temp}"] = row
             print(
                 f"  {cfg['name']:45s} {label} T={temp}: {row['tokens_per_s']:7.1f} tok/s "
@@ -311,6 +315,21 @@ def run_engine(
     finally:
         shutdown_engine(llm)
     return res
+
+
+def _auto_choices(llm) -> dict[str, dict[str, int]]:
+    """A ``tree: auto`` engine's request-steps per temperature class and tree so far."""
+    return llm.collective_rpc("treespec_tree_stats")[0]["auto"]["choices_by_class"]
+
+
+def choices_since(before: dict, after: dict) -> dict[str, dict[str, int]]:
+    """``after - before`` per class and tree, zeros dropped."""
+    out = {}
+    for cls, per in after.items():
+        d = {k: n - before.get(cls, {}).get(k, 0) for k, n in per.items()}
+        if any(d.values()):
+            out[cls] = {k: n for k, n in d.items() if n}
+    return out
 
 
 def _counters(llm) -> dict:

@@ -608,3 +608,20 @@ def test_vllm_refit_records_the_realised_step_shape(tmp_path):
     va.step_done()
     assert list(va.samples)[-1][0] == Shape(4 + 1, 0, 0)
     assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0)
+
+
+def test_record_sets_the_seconds_against_the_realised_shape():
+    """A trie chosen at budget 8 (9 rows nominal) that matched 2 tokens verifies 3 rows:
+    the measured seconds are those of 3 rows, so the prediction for 3 rows is no error
+    and the correction stays 1 (set against the nominal 9 rows it falls below 0.9)."""
+    corrections = []
+    for shape in (Shape(3, 0, 0), None):
+        policy = AutoPolicy(["ngram:budget=8"], CostModel(a=0.010, b=0.001, c=0.0, d=0.0))
+        assert policy.choose([("r", 0.0)])["r"].name == "ngram:budget=8"  # optimism
+        assert policy.step_shape == Shape(9, 0, 0)
+        policy.record([step_of("r", 2, 1)], seconds=0.013, shape=shape)
+        stats = policy.stats.as_dict()
+        want = 0.013 if shape is not None else 0.019
+        assert stats["last_predicted_s"] == pytest.approx(want)
+        corrections.append(stats["correction"])
+    assert corrections[0] == pytest.approx(1.0) and corrections[1] < 0.9

@@ -71,3 +71,11 @@ def test_trie_replay_walks_the_deepest_matching_path():
     assert accepted_length(parents, tokens, [5, 8]) == 1  # 5 has no child 8
     assert accepted_length(parents, tokens, [1]) == 0
     assert accepted_length(parents, tokens, []) == 0
+
+
+def test_auto_choices_of_a_cell_are_the_counts_it_added():
+    from bench.vllm_e2e import choices_since
+
+    before = {"greedy": {"none": 3, "chain:2": 1}, "sampled": {"none": 5}}
+    after = {"greedy": {"none": 3, "chain:2": 4, "ngram:budget=8": 2}, "sampled": {"none": 5}}
+    assert choices_since(before, after) == {"greedy": {"chain:2": 3, "ngram:budget=8": 2}}

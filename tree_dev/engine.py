@@ -286,7 +286,7 @@ class Engine:
         t3 = time.perf_counter()
         if self.auto is not None:
             depths = [p.tree.max_depth for p in proposals]
-            self.auto.record(batch, depths, paths, t3 - t0)
+            self.auto.record(batch, depths, paths, t3 - t0, self.last_verify_rows)
         self.timings["draft"] += t1 - t0
         self.timings["verify"] += t2 - t1
         self.timings["walk"] += t3 - t2

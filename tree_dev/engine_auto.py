@@ -87,12 +87,18 @@ class LocalAuto:
         max_depths: Sequence[int],
         paths: dict[int, tuple[list[int], list[int]]],
         seconds: float,
+        verify_rows: int | None = None,
     ) -> None:
-        """The step's accepted paths and its measured seconds."""
+        """The step's accepted paths and its measured seconds; ``verify_rows``: the tree
+        nodes the target verified (a trie's matched nodes, not its budget; the cost model
+        sets the seconds against them), default the chosen trees'."""
         if self._forced is not None:
             return
         steps = [StepOutcome(r.req_id, d, paths[r.req_id][0]) for r, d in zip(batch, max_depths)]
-        self.auto.record(steps, seconds)
+        shape = None
+        if verify_rows is not None:
+            shape = self.auto.step_shape._replace(verify_rows=verify_rows)
+        self.auto.record(steps, seconds, shape)
 
     def forget(self, req_id: int) -> None:
         self.auto.forget(req_id)

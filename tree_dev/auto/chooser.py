@@ -274,9 +274,13 @@ class AutoPolicy:
         """The batch shape of the step ``choose`` last chose (the cost model's input)."""
         return self._shape
 
-    def record(self, steps: Iterable[StepRecord], seconds: float | None = None) -> None:
+    def record(
+        self, steps: Iterable[StepRecord], seconds: float | None = None, shape: Shape | None = None
+    ) -> None:
         """The step's ``RequestStep``s (requests not chosen for are skipped) and, when
-        measured, its seconds: the acceptance counts, the cost correction and the stats."""
+        measured, its seconds: the acceptance counts, the cost correction and the stats.
+        ``shape``: the step as it ran (a trie verifies the nodes it matched, fewer than its
+        budget), which the seconds are set against; default: the chosen trees' shape."""
         for s in steps:
             pick = self._pending.pop(s.req_id, None)
             if pick is None:
@@ -293,9 +297,11 @@ class AutoPolicy:
         self._pending, self._raw = {}, {}
         self.tracker.end_step()
         self.stats.steps += 1
-        if seconds is not None and self._shape.verify_rows > 0:
-            self.stats.measured(self._predicted, seconds)
-            self.cost_model.observe(self._shape, seconds)
+        ran = self._shape if shape is None else shape
+        if seconds is not None and ran.verify_rows > 0:
+            predicted = self._predicted if shape is None else self.cost_model.predict(ran)
+            self.stats.measured(predicted, seconds)
+            self.cost_model.observe(ran, seconds)
             self.stats.correction = self.cost_model.correction
 
     def forget(self, req_id: Any) -> None:

@@ -119,7 +119,7 @@ class VllmAuto:
                 seconds = self._draft_s + (now - began)
             shape = self._realised_shape(got)
             if self._forced is None:
-                self.auto.record(records, seconds)
+                self.auto.record(records, seconds, shape)
             if seconds is not None and shape.verify_rows > 0:
                 self.samples.append((shape, seconds))
                 self._since_fit += 1
