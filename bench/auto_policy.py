@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from bench.io import atomic_write_json
-from bench.vllm_e2e import MIXED, model_setup, run_engine, start_engine
+from bench.vllm_e2e import MIXED, model_setup, run_beside_plain
 from tree_dev.spec import (
     AUTO_MODEL_CANDIDATES,
     AUTO_TRIE_CANDIDATES,
@@ -33,7 +33,6 @@ from tree_dev.spec import (
     TreeSettings,
     parse_tree_spec,
 )
-from tree_dev.testing import shutdown_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -200,8 +199,6 @@ def main() -> None:
     args = ap.parse_args()
     from importlib.util import find_spec
 
-    from tqdm import tqdm
-
     need = sum(max(c, args.batch1_prompts) for _, c, _ in SCENARIOS) * args.reps + 2
     try:
         setup = model_setup(args.model, need, args.prompt_tokens, args.eager)
@@ -224,15 +221,11 @@ def main() -> None:
         if c.get("tree"):
             parse_tree_spec(c["tree"])  # a bad spec fails before any engine starts
     setup["llm"]["max_num_seqs"] = max(c for _, c, _ in SCENARIOS)  # conc8 runs 8 at once
-    kw = dict(llm_kw=setup["llm"], warm=prompts[-2:], scenarios=SCENARIOS)
-    results = [run_engine(grid[0], sets, args.max_tokens, reps=args.reps, **kw)]
-    plain, _ = start_engine(grid[0], setup["llm"], prompts[-2:])
-    try:
-        for cfg in tqdm(grid[1:], desc="engines"):
-            res = run_engine(cfg, sets, args.max_tokens, plain, args.reps, **kw)
-            results.append({**res, "fixed": cfg["fixed"]})
-    finally:
-        shutdown_engine(plain)
+    results = run_beside_plain(
+        grid, sets, args.max_tokens, args.reps, setup["llm"], prompts[-2:], SCENARIOS
+    )
+    for res, cfg in zip(results, grid):
+        res["fixed"] = cfg["fixed"]
     summary = summarize(results)
     suffix = "" if args.model == "stdlib-v1" else f"_{Path(args.model).name}"
     suffix += "_eagle" if method == "eagle" else ""

@@ -28,8 +28,7 @@ from pathlib import Path
 
 from bench.auto_policy import SCENARIOS, prompt_sets, tree_engine
 from bench.io import atomic_write_json
-from bench.vllm_e2e import model_setup, run_engine, start_engine
-from tree_dev.testing import shutdown_engine
+from bench.vllm_e2e import model_setup, run_beside_plain
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -106,7 +105,6 @@ def main() -> None:
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--out", default=None, help="JSON path (default results/spec_floor*.json)")
     args = ap.parse_args()
-    from tqdm import tqdm
 
     need = sum(max(c, args.batch1_prompts) for _, c, _ in CELLS) * args.reps + 2
     setup = model_setup(args.model, need, args.prompt_tokens, args.eager)
@@ -115,14 +113,9 @@ def main() -> None:
     sets = [row for row, s in zip(sets, SCENARIOS) if s in CELLS]
     grid = configs(setup.get("eagle"))
     setup["llm"]["max_num_seqs"] = max(c for _, c, _ in CELLS)
-    kw = dict(llm_kw=setup["llm"], warm=prompts[-2:], scenarios=CELLS)
-    results = [run_engine(grid[0], sets, args.max_tokens, reps=args.reps, **kw)]
-    plain, _ = start_engine(grid[0], setup["llm"], prompts[-2:])
-    try:
-        for cfg in tqdm(grid[1:], desc="engines"):
-            results.append(run_engine(cfg, sets, args.max_tokens, plain, args.reps, **kw))
-    finally:
-        shutdown_engine(plain)
+    results = run_beside_plain(
+        grid, sets, args.max_tokens, args.reps, setup["llm"], prompts[-2:], CELLS
+    )
     suffix = "" if args.model == "stdlib-v1" else f"_{Path(args.model).name}"
     out = Path(args.out or ROOT / "results" / f"spec_floor{suffix}.json")
     atomic_write_json(out, {"args": vars(args), "results": results})

@@ -451,17 +451,25 @@ def _plan(args: argparse.Namespace) -> _Plan:
     return _Plan(n, grid, sets, warm, llm_kw)
 
 
-def _run_grid(plan: _Plan, args: argparse.Namespace) -> list[dict]:
-    """Every engine's results: vLLM plain alone, then each other engine timed in turns with
-    a resident vLLM plain."""
+def run_beside_plain(
+    grid: list[dict],
+    sets: list[list[list[list[int]]]],
+    max_tokens: int,
+    reps: int,
+    llm_kw: dict | None = None,
+    warm: list[list[int]] | None = None,
+    scenarios=SCENARIOS,
+) -> list[dict]:
+    """Every engine's results: ``grid[0]`` (vLLM plain) alone, then each other engine
+    timed in turns with a resident vLLM plain (``run_engine``)."""
     from tqdm import tqdm
 
-    grid, sets, llm_kw, warm = plan.grid, plan.sets, plan.llm_kw, plan.warm
-    results = [run_engine(grid[0], sets, args.max_tokens, reps=args.reps, llm_kw=llm_kw, warm=warm)]
+    kw = dict(llm_kw=llm_kw, warm=warm, scenarios=scenarios)
+    results = [run_engine(grid[0], sets, max_tokens, reps=reps, **kw)]
     plain, _ = start_engine(grid[0], llm_kw, warm)
     try:
         for cfg in tqdm(grid[1:], desc="engines"):
-            results.append(run_engine(cfg, sets, args.max_tokens, plain, args.reps, llm_kw, warm))
+            results.append(run_engine(cfg, sets, max_tokens, plain, reps, **kw))
     finally:
         shutdown_engine(plain)
     return results
@@ -554,7 +562,9 @@ def main() -> None:
     """Plan the grid, time every engine beside vLLM plain, summarize and write."""
     args = _parse_args()
     plan = _plan(args)
-    results = _run_grid(plan, args)
+    results = run_beside_plain(
+        plan.grid, plan.sets, args.max_tokens, args.reps, plan.llm_kw, plan.warm
+    )
     summary = _summarize(results)
     _write(args, plan, results, summary)
 
