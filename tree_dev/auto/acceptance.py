@@ -64,7 +64,8 @@ class AcceptanceTracker:
     that deep: an n-gram trie often does not) times ``accepted_d / tried_d``.
 
     Exploration, deterministic (a request's own counts of a tree it does not run stay as
-    they were): every ``probe_every``-th step of a request (8; 0: never), the
+    they were): every ``probe_interval``-th step of a request (``probe_every``, 8, backed
+    off as below; 0: never), the
     candidate it has gone longest without using or being offered (never first, then the
     candidates' order) is offered at an upper bound (``probe=True``): its own counts
     scaled by ``fade ** n`` (0.9; ``n`` the request's steps since it last ran it) and one
@@ -74,6 +75,13 @@ class AcceptanceTracker:
     tree again after ``n`` steps without it, its own counts are scaled by ``fade ** n``
     before the step is added (old evidence gives way to new; until then an estimate
     stays where its last step left it).
+
+    Probes back off per temperature class, over all requests (requests are short; a
+    request's own back-off would start over with every new one): a probe that was taken
+    and did not pay (``probe_result(cls, False)``: the request went back to ``none``)
+    doubles the class's probe interval, up to ``probe_every * 2 ** max_backoff`` (32
+    steps); one that paid resets it. Where no tree pays, as on sampled text a draft rarely
+    guesses or a batch too large for trees, probes then cost one step in 32, not one in 8.
 
     >>> t = AcceptanceTracker(decay=0.5, prior_weight=0.0)
     >>> t.observe("r", "chain:3", "greedy", max_depth=3, accepted=2)
@@ -90,14 +98,18 @@ class AcceptanceTracker:
         optimism_weight: float = 2.0,
         probe_every: int = 8,
         fade: float = 0.9,
+        max_backoff: int = 2,
     ):
         if not (0 < decay <= 1 and 0 < fade <= 1 and 0 <= optimism <= 1):
             raise ValueError("decay and fade must be in (0, 1], optimism in [0, 1]")
-        if prior_weight < 0 or optimism_weight < 0 or probe_every < 0:
-            raise ValueError("prior_weight, optimism_weight and probe_every must be >= 0")
+        if min(prior_weight, optimism_weight, probe_every, max_backoff) < 0:
+            raise ValueError(
+                "prior_weight, optimism_weight, probe_every and max_backoff must be >= 0"
+            )
         self.decay, self.prior_weight, self.fade = decay, prior_weight, fade
         self.optimism, self.optimism_weight = optimism, optimism_weight
-        self.probe_every = probe_every
+        self.probe_every, self.max_backoff = probe_every, max_backoff
+        self._backoff: dict[str, int] = {}  # class -> doublings of probe_every
         self._own: dict[tuple[object, str, str], _Counts] = {}
         self._prior: dict[tuple[str, str], _Counts] = {}
         self._offered: dict[tuple[object, str, str], int] = {}  # request step of an offer
@@ -188,12 +200,24 @@ class AcceptanceTracker:
         ``1 + sum(accept_probs)``, in ``[1, 1 + depth]``."""
         return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe))
 
+    def probe_interval(self, cls: str) -> int:
+        """Steps between a request's probes in class ``cls`` now: ``probe_every``, doubled
+        per taken probe that did not pay since the last that did (``max_backoff`` times at
+        most)."""
+        return self.probe_every << self._backoff.get(cls, 0)
+
+    def probe_result(self, cls: str, paid: bool) -> None:
+        """A taken probe in class ``cls`` paid (the request kept drafting) or not."""
+        k = self._backoff.get(cls, 0)
+        self._backoff[cls] = 0 if paid else min(k + 1, self.max_backoff)
+
     def probe(self, req_id: object, cls: str, names: Sequence[str]) -> str | None:
         """The candidate among ``names`` (drafting ones, in the candidates' order) offered
         to ``req_id``'s next step as a probe (and marked offered), or None: not a probe
         step (see the class)."""
         n = self._req_steps.get(req_id, 0) + 1
-        if not names or not self.probe_every or n % self.probe_every:
+        every = self.probe_interval(cls)
+        if not names or not every or n % every:
             return None
 
         def last(name: str) -> int:

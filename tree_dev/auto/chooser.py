@@ -208,6 +208,8 @@ class AutoPolicy:
         self._req_step: dict[Any, int] = {}
         self._raw: dict[tuple[Any, str], float] = {}  # this step's unscaled expected drafts
         self._pending: dict[Any, tuple[Candidate, str]] = {}
+        self._offers: dict[Any, str] = {}  # this step's probe offer per request
+        self._probed: dict[Any, str] = {}  # requests whose last step ran a probe: class
         self._shape = Shape(0, 0, 0)
         self._predicted = 0.0
 
@@ -223,6 +225,8 @@ class AutoPolicy:
         ]
         drafting = [c.name for c, ok in zip(self.candidates, allowed) if ok and c.depth > 0]
         probe = self.tracker.probe(req_id, cls, drafting)
+        if probe is not None:
+            self._offers[req_id] = probe
         row: list[float | None] = []
         for c, ok in zip(self.candidates, allowed):
             if not ok:
@@ -257,10 +261,17 @@ class AutoPolicy:
         chosen nor learnt from, so a trie's counts are those of steps where it matched."""
         classes = [temperature_class(t) for _, t in requests]
         no = unavailable or {}
+        self._offers = {}
         expected = [
             self.expected_row(rid, cls, no.get(rid, ())) for (rid, _), cls in zip(requests, classes)
         ]
         picks = choose(expected, self.candidates, self.cost_model)
+        for (rid, _), c, cls in zip(requests, picks, classes):
+            probed = self._probed.pop(rid, None)  # the request's last step was a probe:
+            if probed is not None:  # it paid if the request keeps drafting
+                self.tracker.probe_result(probed, paid=c.depth > 0)
+            if self._offers.get(rid) == c.name:
+                self._probed[rid] = cls
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
         self._raw = {(rid, c.name): self._raw[rid, c.name] for rid, (c, _) in self._pending.items()}
         self._shape = batch_shape(c.shape for c in picks)
@@ -308,6 +319,7 @@ class AutoPolicy:
         """A request finished."""
         self.tracker.forget(req_id)
         self._pending.pop(req_id, None)
+        self._probed.pop(req_id, None)
         self._req_step.pop(req_id, None)
         for k in [k for k in self._drift if k[0] == req_id]:
             del self._drift[k]
