@@ -281,21 +281,23 @@ def run_engine(
     auto = (cfg.get("tree") or "").startswith("auto")
     try:
         for si, (label, conc, temp) in enumerate(scenarios):
-            mine, base, ratios, n_out, acc = [], [], [], 0, {}
+            mine, base, ratios, n_out = [], [], [], 0
             chosen_before = _auto_choices(llm) if auto else None
+            counters_before = _counters(llm)  # acceptance over every rep of the cell
             for rep in range(reps):
                 order = [llm, plain] if rep % 2 == 0 else [plain, llm]
                 for engine in order:
                     if engine is None:
                         continue
-                    n, dt, a = time_scenario(engine, sets[si][rep], max_tokens, conc, temp)
+                    n, dt, _ = time_scenario(engine, sets[si][rep], max_tokens, conc, temp)
                     if engine is llm:
                         mine.append(n / dt)
-                        n_out, acc = n, a
+                        n_out = n
                     else:
                         base.append(n / dt)
                 if plain is not None:
                     ratios.append(mine[-1] / base[-1])
+            acc = _acceptance(counters_before, _counters(llm))
             row = {
                 "tokens_per_s": statistics.median(mine),
                 "output_tokens": n_out,

@@ -673,3 +673,20 @@ def test_probe_back_off_pays_where_no_tree_pays_and_costs_nothing_where_trees_do
     assert run(0.0) >= run(0.0, max_backoff=0) + 0.05
     good, good_no_backoff = run(0.9), run(0.9, max_backoff=0)
     assert good > 1.2 and good >= 0.98 * good_no_backoff
+
+
+def test_a_trie_without_a_match_after_its_probe_does_not_back_off():
+    """A probe of the trie that cannot be judged (the trie finds no match the next step,
+    so the request gets none whatever the probe showed) leaves the interval at 8; when the
+    trie could run the next step and the request still went back to none, the interval
+    doubles."""
+    intervals = {}
+    for runnable_after in (False, True):
+        policy = AutoPolicy(["ngram:budget=8"], CostModel(**COLLAPSE))
+        for n in range(1, 41):  # the trie matches on probe steps (and, or not, the next)
+            matches = n % 8 == 0 or (runnable_after and n % 8 == 1)
+            unavailable = set() if matches else {"ngram:budget=8"}
+            pick = policy.choose([("r", 0.0)], {"r": unavailable})["r"]
+            policy.record([step_of("r", pick.depth, 0)])
+        intervals[runnable_after] = policy.tracker.probe_interval("greedy")
+    assert intervals == {False: 8, True: 32}

@@ -209,7 +209,7 @@ class AutoPolicy:
         self._raw: dict[tuple[Any, str], float] = {}  # this step's unscaled expected drafts
         self._pending: dict[Any, tuple[Candidate, str]] = {}
         self._offers: dict[Any, str] = {}  # this step's probe offer per request
-        self._probed: dict[Any, str] = {}  # requests whose last step ran a probe: class
+        self._probed: dict[Any, tuple[str, str]] = {}  # last step's probe run: (tree, class)
         self._shape = Shape(0, 0, 0)
         self._predicted = 0.0
 
@@ -269,9 +269,11 @@ class AutoPolicy:
         for (rid, _), c, cls in zip(requests, picks, classes):
             probed = self._probed.pop(rid, None)  # the request's last step was a probe:
             if probed is not None:  # it paid if the request keeps drafting
-                self.tracker.probe_result(probed, paid=c.depth > 0)
+                name, probed_cls = probed
+                if c.depth > 0 or name not in no.get(rid, ()):  # else: a trie without a
+                    self.tracker.probe_result(probed_cls, paid=c.depth > 0)  # match: no say
             if self._offers.get(rid) == c.name:
-                self._probed[rid] = cls
+                self._probed[rid] = (c.name, cls)
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
         self._raw = {(rid, c.name): self._raw[rid, c.name] for rid, (c, _) in self._pending.items()}
         self._shape = batch_shape(c.shape for c in picks)
