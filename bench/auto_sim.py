@@ -45,6 +45,11 @@ def expected_tokens(p: float, depth: int) -> float:
     return 1.0 + sum(p**d for d in range(1, depth + 1))
 
 
+def no_draft_rate(batch: int, cost: CostModel) -> float:
+    """Tokens per second of ``batch`` requests decoded without drafts at ``cost``."""
+    return batch / cost.raw(Shape(batch, 0, 0))
+
+
 def simulate(
     p: float,
     batch: int,
@@ -81,7 +86,7 @@ def simulate(
                 del live[rid]
                 live[f"r{made}"] = 0
                 made += 1
-    return tokens / seconds / (batch / cost.raw(Shape(batch, 0, 0)))
+    return tokens / seconds / no_draft_rate(batch, cost)
 
 
 def best_fixed(p: float, batch: int, cost: CostModel, temperature: float = 0.8) -> tuple:
@@ -94,7 +99,7 @@ def best_fixed(p: float, batch: int, cost: CostModel, temperature: float = 0.8) 
         rate = batch * expected_tokens(p, c.depth) / cost.raw(batch_shape([c.shape] * batch))
         out.append((c.name, rate))
     name, rate = max(out, key=lambda x: x[1])
-    return name, rate / (batch / cost.raw(Shape(batch, 0, 0)))
+    return name, rate / no_draft_rate(batch, cost)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -106,8 +111,11 @@ def plot(rows: list[dict], path: Path) -> None:
     from bench.io import save_figure
 
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), sharey=True)
-    for ax, b in zip(axes if len(batches) > 1 else [axes], batches):
+    fig, axes = plt.subplots(
+        1, len(batches), figsize=(4.2 * len(batches), 3.8), sharey=True, squeeze=False
+    )
+    axes = axes[0]
+    for ax, b in zip(axes, batches):
         rs = [r for r in rows if r["batch"] == b]
         ps = [r["p"] for r in rs]
         ax.plot(ps, [r["auto"] for r in rs], "o-", label="auto")
@@ -116,9 +124,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.axhline(1.0, color="gray", lw=1)
         ax.set_title(f"batch {b}")
         ax.set_xlabel("acceptance per depth p")
-    axes_list = axes if len(batches) > 1 else [axes]
-    axes_list[0].set_ylabel("tokens/s over no drafts (simulated)")
-    axes_list[0].legend(fontsize=8)
+    axes[0].set_ylabel("tokens/s over no drafts (simulated)")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
 

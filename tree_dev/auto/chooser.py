@@ -211,7 +211,6 @@ class AutoPolicy:
         self._offers: dict[Any, str] = {}  # this step's probe offer per request
         self._probed: dict[Any, tuple[str, str]] = {}  # last step's probe run: (tree, class)
         self._shape = Shape(0, 0, 0)
-        self._predicted = 0.0
 
     def expected_row(
         self, req_id: Any, cls: str, unavailable: Collection[str] = ()
@@ -277,7 +276,6 @@ class AutoPolicy:
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
         self._raw = {(rid, c.name): self._raw[rid, c.name] for rid, (c, _) in self._pending.items()}
         self._shape = batch_shape(c.shape for c in picks)
-        self._predicted = self.cost_model.predict(self._shape) if picks else 0.0
         for c, cls in zip(picks, classes):
             self.stats.count(cls, c.name)
         return {rid: c for (rid, _), c in zip(requests, picks)}
@@ -312,8 +310,7 @@ class AutoPolicy:
         self.stats.steps += 1
         ran = self._shape if shape is None else shape
         if seconds is not None and ran.verify_rows > 0:
-            predicted = self._predicted if shape is None else self.cost_model.predict(ran)
-            self.stats.measured(predicted, seconds)
+            self.stats.measured(self.cost_model.predict(ran), seconds)
             self.cost_model.observe(ran, seconds)
             self.stats.correction = self.cost_model.correction
 
