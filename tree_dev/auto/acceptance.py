@@ -64,24 +64,27 @@ class AcceptanceTracker:
     that deep: an n-gram trie often does not) times ``accepted_d / tried_d``.
 
     Exploration, deterministic (a request's own counts of a tree it does not run stay as
-    they were): every ``probe_interval``-th step of a request (``probe_every``, 8, backed
-    off as below; 0: never), the
-    candidate it has gone longest without using or being offered (never first, then the
-    candidates' order) is offered at an upper bound (``probe=True``): its own counts
-    scaled by ``fade ** n`` (0.9; ``n`` the request's steps since it last ran it) and one
-    more pseudo-step that accepted the whole tree. ``choose`` takes it if that would pay:
-    a tree left long ago, or after few steps, is re-tried (its acceptance may have
-    recovered, or it was unlucky); one clearly too costly is not. When a request runs a
-    tree again after ``n`` steps without it, its own counts are scaled by ``fade ** n``
-    before the step is added (old evidence gives way to new; until then an estimate
-    stays where its last step left it).
+    they were): probes come in **slots per temperature class**, one every
+    ``probe_interval`` engine steps (``probe_every``, 8, backed off as below; 0: never),
+    whatever the batch size. A slot goes to the class's request offered one longest ago
+    (never first, then the batch order: ``probe_takers``), which is offered the candidate
+    it has gone longest without using or being offered (never first, then the candidates'
+    order) at an upper bound (``probe=True``): its own counts scaled by ``fade ** n`` (0.9;
+    ``n`` the request's steps since it last ran it) and one more pseudo-step that accepted
+    the whole tree. ``choose`` takes it if that would pay: a tree left long ago, or after
+    few steps, is re-tried (its acceptance may have recovered, or it was unlucky); one
+    clearly too costly is not. A slot per class, not per request: what one request's probe
+    learns goes into the shared prior its class-mates read, while a probe's draft levels
+    slow the whole batch's step; per-request probes made a batch of 8 pay them on a
+    quarter of its steps. When a request runs a tree again after ``n`` steps without it,
+    its own counts are scaled by ``fade ** n`` before the step is added (old evidence
+    gives way to new; until then an estimate stays where its last step left it).
 
-    Probes back off per temperature class, over all requests (requests are short; a
-    request's own back-off would start over with every new one): a probe that was taken
-    and did not pay (``probe_result(cls, False)``: the request went back to ``none``)
-    doubles the class's probe interval, up to ``probe_every * 2 ** max_backoff`` (32
-    steps); one that paid resets it. Where no tree pays, as on sampled text a draft rarely
-    guesses or a batch too large for trees, probes then cost one step in 32, not one in 8.
+    Probes back off per temperature class: a probe that was taken and did not pay
+    (``probe_result(cls, False)``: the request went back to ``none``) doubles the class's
+    probe interval, up to ``probe_every * 2 ** max_backoff`` (32 steps); one that paid
+    resets it. Where no tree pays, as on sampled text a draft rarely guesses or a batch
+    too large for trees, probes then cost one step in 32, not one in 8.
 
     >>> t = AcceptanceTracker(decay=0.5, prior_weight=0.0)
     >>> t.observe("r", "chain:3", "greedy", max_depth=3, accepted=2)
@@ -113,6 +116,8 @@ class AcceptanceTracker:
         self._own: dict[tuple[object, str, str], _Counts] = {}
         self._prior: dict[tuple[str, str], _Counts] = {}
         self._offered: dict[tuple[object, str, str], int] = {}  # request step of an offer
+        self._slot: dict[str, int] = {}  # class -> engine step of its last probe slot
+        self._slot_taker: dict[object, int] = {}  # request -> engine step of its last slot
         self._req_steps: dict[object, int] = {}
         self._steps = 0  # engine steps ended (end_step)
         self._q: dict[tuple[str, str, int], list[float]] = {}  # prior rates, until observe
@@ -165,6 +170,7 @@ class AcceptanceTracker:
     def forget(self, req_id: object) -> None:
         """Drop a finished request's own counts (the prior keeps what it taught)."""
         self._req_steps.pop(req_id, None)
+        self._slot_taker.pop(req_id, None)
         for table in (self._own, self._offered):
             for k in [k for k in table if k[0] == req_id]:
                 del table[k]
@@ -201,7 +207,7 @@ class AcceptanceTracker:
         return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe))
 
     def probe_interval(self, cls: str) -> int:
-        """Steps between a request's probes in class ``cls`` now: ``probe_every``, doubled
+        """Engine steps between class ``cls``'s probe slots now: ``probe_every``, doubled
         per taken probe that did not pay since the last that did (``max_backoff`` times at
         most)."""
         return self.probe_every << self._backoff.get(cls, 0)
@@ -211,14 +217,35 @@ class AcceptanceTracker:
         k = self._backoff.get(cls, 0)
         self._backoff[cls] = 0 if paid else min(k + 1, self.max_backoff)
 
+    def probe_takers(self, requests: Sequence[tuple[object, str]]) -> set[object]:
+        """Of this engine step's ``[(req_id, class), ...]``, the requests a probe slot goes
+        to: per class whose slot is due (``probe_interval`` engine steps after its last;
+        the first on the class's ``probe_interval``-th step), the one given a slot longest
+        ago (never first, then the order given). Marks the slots given."""
+        now = self._steps + 1
+        every: dict[str, int] = {}
+        for _, cls in requests:
+            if cls not in every:
+                every[cls] = self.probe_interval(cls)
+                self._slot.setdefault(cls, now - 1)  # first due at step `every`
+        takers: dict[str, object] = {}
+        for rid, cls in requests:
+            if not every[cls] or now - self._slot[cls] < every[cls]:
+                continue
+            best = takers.get(cls)
+            if best is None or self._slot_taker.get(rid, -1) < self._slot_taker.get(best, -1):
+                takers[cls] = rid
+        for cls, rid in takers.items():
+            self._slot[cls] = self._slot_taker[rid] = now
+        return set(takers.values())
+
     def probe(self, req_id: object, cls: str, names: Sequence[str]) -> str | None:
         """The candidate among ``names`` (drafting ones, in the candidates' order) offered
-        to ``req_id``'s next step as a probe (and marked offered), or None: not a probe
-        step (see the class)."""
-        n = self._req_steps.get(req_id, 0) + 1
-        every = self.probe_interval(cls)
-        if not names or not every or n % every:
+        to ``req_id``, a taker of this step's probe slot of class ``cls``
+        (``probe_takers``), and marked offered; None when ``names`` is empty."""
+        if not names:
             return None
+        n = self._req_steps.get(req_id, 0) + 1
 
         def last(name: str) -> int:
             own = self._own.get((req_id, name, cls))

@@ -213,25 +213,30 @@ class AutoPolicy:
         self._shape = Shape(0, 0, 0)
 
     def expected_row(
-        self, req_id: Any, cls: str, unavailable: Collection[str] = ()
+        self,
+        req_id: Any,
+        cls: str,
+        unavailable: Collection[str] = (),
+        probe: bool = False,
     ) -> list[float | None]:
         """Expected tokens of every candidate for ``req_id`` (None: not for its class, or
-        in ``unavailable``; the candidate this step offers as a probe, if any, at its upper
-        bound)."""
+        in ``unavailable``); ``probe``: the request holds this step's probe slot of its
+        class (``AcceptanceTracker.probe_takers``), and the candidate it is offered is
+        read at its upper bound."""
         allowed = [
             not (c.sampled_drafts and cls == "greedy") and c.name not in unavailable
             for c in self.candidates
         ]
         drafting = [c.name for c, ok in zip(self.candidates, allowed) if ok and c.depth > 0]
-        probe = self.tracker.probe(req_id, cls, drafting)
-        if probe is not None:
-            self._offers[req_id] = probe
+        offer = self.tracker.probe(req_id, cls, drafting) if probe else None
+        if offer is not None:
+            self._offers[req_id] = offer
         row: list[float | None] = []
         for c, ok in zip(self.candidates, allowed):
             if not ok:
                 row.append(None)
                 continue
-            tokens = self.tracker.expected_tokens(req_id, c.name, cls, c.depth, c.name == probe)
+            tokens = self.tracker.expected_tokens(req_id, c.name, cls, c.depth, c.name == offer)
             self._raw[req_id, c.name] = tokens - 1.0
             source = draft_source(c)
             if source is not None:
@@ -261,8 +266,10 @@ class AutoPolicy:
         classes = [temperature_class(t) for _, t in requests]
         no = unavailable or {}
         self._offers = {}
+        takers = self.tracker.probe_takers([(rid, cls) for (rid, _), cls in zip(requests, classes)])
         expected = [
-            self.expected_row(rid, cls, no.get(rid, ())) for (rid, _), cls in zip(requests, classes)
+            self.expected_row(rid, cls, no.get(rid, ()), rid in takers)
+            for (rid, _), cls in zip(requests, classes)
         ]
         picks = choose(expected, self.candidates, self.cost_model)
         for (rid, _), c, cls in zip(requests, picks, classes):
