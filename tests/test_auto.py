@@ -34,6 +34,7 @@ from tree_dev.auto import (
     measure,
     policy_shape,
     save_cost_model,
+    step_tries,
     temperature_class,
     tree_depth,
 )
@@ -617,21 +618,51 @@ def test_optimistic_start_covers_the_whole_tree():
 
 
 def test_unavailable_tries_are_neither_chosen_nor_learnt():
-    """A trie that finds no match this step (``unmatched_tries``) is not offered: the
+    """A trie that finds no match this step (``step_tries``: None) is not offered: the
     request gets the best of the rest, and nothing is recorded for the trie."""
-    from tree_dev.auto import unmatched_tries
-
     policy = AutoPolicy(["ngram:budget=8", "chain:2"], CostModel(**COLLAPSE))
     cands = policy.candidates
-    assert unmatched_tries([1, 2, 3, 4], cands) == {"ngram:budget=8"}
-    assert unmatched_tries([1, 2, 3, 1], cands) == set()
+    assert step_tries([1, 2, 3, 4], cands) == {"ngram:budget=8": None}
     for _ in range(12):
-        pick = policy.choose([("r", 0.0)], {"r": unmatched_tries([1, 2, 3, 4], cands)})["r"]
+        pick = policy.choose([("r", 0.0)], tries={"r": step_tries([1, 2, 3, 4], cands)})["r"]
         assert pick.name != "ngram:budget=8"
         policy.record([step_of("r", pick.depth, pick.depth)])
     assert policy.tracker.counts("r", "ngram:budget=8", "greedy") == (0.0, [], [])
-    # with a match, the untried trie is offered again (its optimistic prior: 8 deep)
-    assert policy.choose([("r", 0.0)], {"r": set()})["r"].name == "ngram:budget=8"
+    # with a match, the untried trie is offered again (its optimistic prior)
+    tries = {"r": step_tries([1, 2, 3, 1], cands)}  # the root and 2, 3, 1: 4 nodes
+    assert tries["r"]["ngram:budget=8"].num_nodes == 4
+    assert policy.choose([("r", 0.0)], tries=tries)["r"].name == "ngram:budget=8"
+    assert policy.step_shape == Shape(4, 0, 0)  # the trie as built, not its budget's 9
+
+
+def test_a_built_trie_is_priced_at_its_nodes_and_read_to_its_depth():
+    """By hand. The trie always accepted its first token and nothing deeper: a step of
+    it yields 2 tokens. Rows cost 2 ms over a 10 ms step: none 1 token in 12 ms (83
+    tokens/s); the trie at its budget's 9 rows 2 tokens in 28 ms (71/s): none; the trie
+    ``step_tries`` built, 2 nodes (3 rows), 2 tokens in 16 ms (125/s): the trie."""
+    tracker = AcceptanceTracker(decay=1.0, prior_weight=0.0, optimism_weight=0.0)
+    policy = AutoPolicy(["ngram:budget=8"], CostModel(a=0.010, b=0.002, c=0.0, d=0.0), tracker)
+    for _ in range(3):
+        policy.choose([("r", 0.0)], {"r": {"none"}})  # the trie forced: none unavailable
+        policy.record([step_of("r", 2, 1)])
+    assert policy.choose([("r", 0.0)])["r"].name == "none"
+    policy.record([step_of("r", 0, 0)])
+    tries = {"r": step_tries([5, 6, 5], policy.candidates)}  # continuation 6, 5: 2 nodes
+    assert policy.choose([("r", 0.0)], tries=tries)["r"].name == "ngram:budget=8"
+    assert policy.step_shape == Shape(3, 0, 0)
+
+
+def test_a_trie_known_to_reach_a_depth_reads_the_rates_of_trees_that_reached_it():
+    """By hand, no decay nor prior: three steps of a trie 1 deep that accepted its token
+    and one 3 deep that accepted all three: tried = [4, 1, 1], accepted = [4, 1, 1]. Over
+    all steps depths 2 and 3 read 1/4; a trie known to be 3 deep this step reads them
+    over the steps that reached them: 1."""
+    t = AcceptanceTracker(decay=1.0, prior_weight=0.0, optimism_weight=0.0)
+    for depth in (1, 1, 1, 3):
+        t.observe("r", "ngram:budget=8", "greedy", depth, depth)
+    assert t.accept_probs("r", "ngram:budget=8", "greedy", 3) == pytest.approx([1, 0.25, 0.25])
+    assert t.accept_probs("r", "ngram:budget=8", "greedy", 3, reached=True) == [1, 1, 1]
+    assert t.expected_tokens("r", "ngram:budget=8", "greedy", 3, reached=True) == 4.0
 
 
 def test_vllm_refit_records_the_realised_step_shape(tmp_path):

@@ -29,7 +29,7 @@ from tree_dev.auto import (
     default_cache_dir,
     load_cost_model,
     save_cost_model,
-    unmatched_tries,
+    step_tries,
 )
 from tree_dev.requests import Request, SamplingParams
 from tree_dev.spec import AutoTreePolicy, NgramPolicy, NoDraftPolicy, Policy
@@ -73,9 +73,9 @@ class LocalAuto:
             picks = [self._forced] * len(batch)
         else:
             cands = self.candidates
-            unavailable = {r.req_id: unmatched_tries(r.prompt + r.output, cands) for r in batch}
+            tries = {r.req_id: step_tries(r.prompt + r.output, cands) for r in batch}
             reqs = [(r.req_id, r.params.temperature) for r in batch]
-            chosen = self.auto.choose(reqs, unavailable)
+            chosen = self.auto.choose(reqs, tries=tries)
             picks = [chosen[r.req_id] for r in batch]
         for r, c in zip(batch, picks):
             r.sampled_drafts = c.sampled_drafts and r.mode != "greedy"

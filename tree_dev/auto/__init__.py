@@ -54,9 +54,9 @@ from tree_dev.auto.shapes import (
     Shape,
     make_candidates,
     policy_shape,
+    step_tries,
     temperature_class,
     tree_depth,
-    unmatched_tries,
 )
 
 __all__ = [
@@ -84,5 +84,5 @@ __all__ = [
     "save_cost_model",
     "temperature_class",
     "tree_depth",
-    "unmatched_tries",
+    "step_tries",
 ]

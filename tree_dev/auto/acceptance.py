@@ -35,11 +35,20 @@ class _Counts:
             self.tried[d] += 1.0
             self.accepted[d] += float(d < accepted)
 
-    def rate(self, d: int, weight: float, base: float, scale: float = 1.0) -> float:
-        """``(accepted[d] * scale + weight * base) / (steps * scale + weight)`` (``base``
-        when both are 0)."""
+    def count(self, d: int, reached: bool = False) -> float:
+        """The steps depth ``d + 1``'s rate is over: all (``steps``), or when ``reached``
+        those whose tree got that deep (``tried[d]``)."""
+        if not reached:
+            return self.steps
+        return self.tried[d] if d < len(self.tried) else 0.0
+
+    def rate(
+        self, d: int, weight: float, base: float, scale: float = 1.0, reached: bool = False
+    ) -> float:
+        """``(accepted[d] * scale + weight * base) / (count(d, reached) * scale + weight)``
+        (``base`` when both are 0)."""
         acc = self.accepted[d] if d < len(self.accepted) else 0.0
-        den = self.steps * scale + weight
+        den = self.count(d, reached) * scale + weight
         return (acc * scale + weight * base) / den if den > 0 else base
 
 
@@ -120,7 +129,7 @@ class AcceptanceTracker:
         self._slot_taker: dict[object, int] = {}  # request -> engine step of its last slot
         self._req_steps: dict[object, int] = {}
         self._steps = 0  # engine steps ended (end_step)
-        self._q: dict[tuple[str, str, int], list[float]] = {}  # prior rates, until observe
+        self._q: dict[tuple[str, str, int, bool], list[float]] = {}  # prior rates, to observe
 
     def observe(
         self,
@@ -176,35 +185,55 @@ class AcceptanceTracker:
                 del table[k]
 
     def accept_probs(
-        self, req_id: object, name: str, cls: str, depth: int, probe: bool = False
+        self,
+        req_id: object,
+        name: str,
+        cls: str,
+        depth: int,
+        probe: bool = False,
+        reached: bool = False,
     ) -> list[float]:
         """``P(accepted length >= d)`` for ``d = 1..depth``, non-increasing, in [0, 1];
-        ``probe``: the upper bound a probe is offered at (see the class)."""
+        ``probe``: the upper bound a probe is offered at (see the class); ``reached``:
+        this step's tree is known to be ``depth`` deep (a trie built before the choice,
+        ``step_tries``), so each depth's rate is over the steps whose tree reached it
+        (``accepted[d] / tried[d]``), not over all (a trie that often matches one token
+        would otherwise read low at depth 3 on a step where it matched five)."""
         prior, own = self._prior.get((name, cls)), self._own.get((req_id, name, cls))
         opt, w = self.optimism, self.prior_weight
         scale = 1.0
         if probe and own is not None:
             scale = self.fade ** (self._req_steps.get(req_id, 0) - own.last)
-        qs = self._q.get((name, cls, depth))
+        key = (name, cls, depth, reached)
+        qs = self._q.get(key)
         if qs is None:
-            qs = [opt if prior is None else prior.rate(d, 0.0, opt) for d in range(depth)]
-            self._q[name, cls, depth] = qs
+            qs = [
+                opt if prior is None else prior.rate(d, 0.0, opt, 1.0, reached)
+                for d in range(depth)
+            ]
+            self._q[key] = qs
         out, low = [], 1.0
         for d, q in enumerate(qs):
-            p = q if own is None else own.rate(d, w, q, scale)
+            p = q if own is None else own.rate(d, w, q, scale, reached)
             if probe:  # one more pseudo-step that accepted the whole tree
-                s = (own.steps * scale if own is not None else 0.0) + w
+                s = (own.count(d, reached) * scale if own is not None else 0.0) + w
                 p = (p * s + opt) / (s + 1.0)
             low = min(low, max(0.0, p))
             out.append(low)
         return out
 
     def expected_tokens(
-        self, req_id: object, name: str, cls: str, depth: int, probe: bool = False
+        self,
+        req_id: object,
+        name: str,
+        cls: str,
+        depth: int,
+        probe: bool = False,
+        reached: bool = False,
     ) -> float:
         """Tokens a step of candidate ``name`` (a tree ``depth`` deep) emits for ``req_id``:
         ``1 + sum(accept_probs)``, in ``[1, 1 + depth]``."""
-        return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe))
+        return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
 
     def probe_interval(self, cls: str) -> int:
         """Engine steps between class ``cls``'s probe slots now: ``probe_every``, doubled

@@ -19,6 +19,7 @@ from tree_dev.auto.shapes import (
     temperature_class,
 )
 from tree_dev.spec import Policy
+from tree_dev.tree import TokenTree
 
 
 def batch_shape(shapes: Iterable[Shape]) -> Shape:
@@ -33,16 +34,18 @@ def batch_shape(shapes: Iterable[Shape]) -> Shape:
 def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) -> np.ndarray:
     """Dinkelbach on ``sum(e[i, x_i]) / cost(sum rows, cap)``: repeat ``x = argmax_x
     sum(e) - lam * cost``, separable per request, with ``lam`` the last ratio, until no
-    choice improves on ``lam`` (finite: ``lam`` grows strictly). Ties: the first column."""
-    per_row = cost.b * rows[:, 0] + cost.d * rows[:, 1]  # per-candidate cost, less a and c
+    choice improves on ``lam`` (finite: ``lam`` grows strictly). ``rows[i, j]``: request
+    ``i``'s verify and draft rows under candidate ``j``. Ties: the first column."""
+    per_row = cost.b * rows[..., 0] + cost.d * rows[..., 1]  # [requests, candidates]
     fixed = cost.a + cost.c * cap
+    idx = np.arange(len(e))
     x = np.argmax(e, axis=1)  # lam = 0: most tokens
     for _ in range(100):
-        tokens = float(e[np.arange(len(e)), x].sum())
-        lam = tokens / max(fixed + float(per_row[x].sum()), 1e-30)
-        score = e - lam * per_row[None, :]
+        tokens = float(e[idx, x].sum())
+        lam = tokens / max(fixed + float(per_row[idx, x].sum()), 1e-30)
+        score = e - lam * per_row
         nxt = np.argmax(score, axis=1)
-        gain = float(score[np.arange(len(e)), nxt].sum()) - lam * fixed
+        gain = float(score[idx, nxt].sum()) - lam * fixed
         if gain <= 1e-12 * max(tokens, 1.0) or np.array_equal(nxt, x):
             break
         x = nxt
@@ -53,12 +56,15 @@ def choose(
     expected: Sequence[Sequence[float | None]],
     candidates: Sequence[Candidate],
     cost_model: CostModel,
+    shapes: Sequence[Mapping[int, Shape]] | None = None,
 ) -> list[Candidate]:
     """Per request, the candidate maximising the batch's expected tokens per second.
 
     ``expected[i][j]``: tokens a step of ``candidates[j]`` yields for request ``i`` (None:
-    not allowed for it). Objective: ``sum_i expected[i][x_i] / cost(batch_shape)``. Exact:
-    for every cap ``L`` on draft levels (the candidates' distinct ones), Dinkelbach's
+    not allowed for it). ``shapes[i]``: candidate index -> request ``i``'s shape under it
+    this step where it is not the candidate's own (a trie built before the choice,
+    priced at its nodes). Objective: ``sum_i expected[i][x_i] / cost(batch_shape)``.
+    Exact: for every cap ``L`` on draft levels (the shapes' distinct ones), Dinkelbach's
     iteration (``_best_under_cap``) solves the ratio, which is then scored at its true
     deepest level; the best cap wins (ties: the smaller cap, then the earlier candidate:
     with ``make_candidates``' order, the cheaper tree).
@@ -75,17 +81,23 @@ def choose(
     e = np.array([[-np.inf if v is None else float(v) for v in row] for row in expected])
     if e.shape[1] != len(candidates) or not np.all(np.isfinite(e).any(axis=1)):
         raise ValueError("choose: each request needs one value per candidate, one not None")
-    shapes = [c.shape for c in candidates]
-    rows = np.array([[s.verify_rows, s.draft_rows] for s in shapes], dtype=float)
-    levels = np.array([s.draft_levels for s in shapes])
+    if shapes is not None and len(shapes) != len(e):
+        raise ValueError(f"choose: {len(shapes)} shape overrides for {len(e)} requests")
+    own = [c.shape for c in candidates]
+    per = [[own[j] for j in range(len(own))] for _ in range(len(e))]
+    for i, over in enumerate(shapes or ()):
+        for j, sh in over.items():
+            per[i][j] = sh
+    rows = np.array([[[sh.verify_rows, sh.draft_rows] for sh in r] for r in per], dtype=float)
+    levels = np.array([[sh.draft_levels for sh in r] for r in per])
     best, best_rate = None, -1.0
-    for cap in sorted(set(levels.tolist())):
-        ec = np.where(levels[None, :] <= cap, e, -np.inf)
+    for cap in sorted(set(levels.ravel().tolist())):
+        ec = np.where(levels <= cap, e, -np.inf)
         if not np.all(np.isfinite(ec).any(axis=1)):
             continue
         x = _best_under_cap(ec, rows, cost_model, cap)
         tokens = float(e[np.arange(len(e)), x].sum())
-        rate = tokens / max(cost_model.raw(batch_shape(shapes[j] for j in x)), 1e-30)
+        rate = tokens / max(cost_model.raw(batch_shape(per[i][j] for i, j in enumerate(x))), 1e-30)
         if rate > best_rate * (1 + 1e-12):
             best, best_rate = x, rate
     return [candidates[j] for j in best]
@@ -218,11 +230,13 @@ class AutoPolicy:
         cls: str,
         unavailable: Collection[str] = (),
         probe: bool = False,
+        trees: Mapping[str, TokenTree] | None = None,
     ) -> list[float | None]:
         """Expected tokens of every candidate for ``req_id`` (None: not for its class, or
         in ``unavailable``); ``probe``: the request holds this step's probe slot of its
         class (``AcceptanceTracker.probe_takers``), and the candidate it is offered is
-        read at its upper bound."""
+        read at its upper bound; ``trees``: candidates whose tree this step is known (a
+        trie, ``step_tries``), read to the depth it reaches."""
         allowed = [
             not (c.sampled_drafts and cls == "greedy") and c.name not in unavailable
             for c in self.candidates
@@ -236,7 +250,12 @@ class AutoPolicy:
             if not ok:
                 row.append(None)
                 continue
-            tokens = self.tracker.expected_tokens(req_id, c.name, cls, c.depth, c.name == offer)
+            tree = None if trees is None else trees.get(c.name)
+            depth = c.depth if tree is None else tree.max_depth
+            reached = tree is not None
+            tokens = self.tracker.expected_tokens(
+                req_id, c.name, cls, depth, c.name == offer, reached
+            )
             self._raw[req_id, c.name] = tokens - 1.0
             source = draft_source(c)
             if source is not None:
@@ -258,20 +277,33 @@ class AutoPolicy:
         self,
         requests: Sequence[tuple[Any, float]],
         unavailable: Mapping[Any, Collection[str]] | None = None,
+        tries: Mapping[Any, Mapping[str, TokenTree | None]] | None = None,
     ) -> dict[Any, Candidate]:
         """``[(req_id, temperature), ...]`` -> per request its candidate for this step.
         ``unavailable``: per request, candidates that cannot run for it this step (an
         n-gram trie that finds no match: ``proposer.has_ngram_match``); they are neither
-        chosen nor learnt from, so a trie's counts are those of steps where it matched."""
+        chosen nor learnt from, so a trie's counts are those of steps where it matched.
+        ``tries``: per request, its n-gram tries of this step (``step_tries``): one that
+        finds no match (None) is unavailable; one built is priced at its own nodes and
+        read to its own depth."""
         classes = [temperature_class(t) for _, t in requests]
-        no = unavailable or {}
+        no: dict[Any, set[str]] = {rid: set(v) for rid, v in (unavailable or {}).items()}
+        built: dict[Any, dict[str, TokenTree]] = {}
+        for rid, ts in (tries or {}).items():
+            no.setdefault(rid, set()).update(n for n, t in ts.items() if t is None)
+            built[rid] = {n: t for n, t in ts.items() if t is not None}
         self._offers = {}
         takers = self.tracker.probe_takers([(rid, cls) for (rid, _), cls in zip(requests, classes)])
         expected = [
-            self.expected_row(rid, cls, no.get(rid, ()), rid in takers)
+            self.expected_row(rid, cls, no.get(rid, ()), rid in takers, built.get(rid))
             for (rid, _), cls in zip(requests, classes)
         ]
-        picks = choose(expected, self.candidates, self.cost_model)
+        index = {c.name: j for j, c in enumerate(self.candidates)}
+        shapes = [
+            {index[n]: Shape(t.num_nodes, 0, 0) for n, t in built.get(rid, {}).items()}
+            for rid, _ in requests
+        ]
+        picks = choose(expected, self.candidates, self.cost_model, shapes)
         for (rid, _), c, cls in zip(requests, picks, classes):
             probed = self._probed.pop(rid, None)  # the request's last step was a probe:
             if probed is not None:  # it paid if the request keeps drafting
@@ -282,7 +314,7 @@ class AutoPolicy:
                 self._probed[rid] = (c.name, cls)
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
         self._raw = {(rid, c.name): self._raw[rid, c.name] for rid, (c, _) in self._pending.items()}
-        self._shape = batch_shape(c.shape for c in picks)
+        self._shape = batch_shape(s.get(index[c.name], c.shape) for c, s in zip(picks, shapes))
         for c, cls in zip(picks, classes):
             self.stats.count(cls, c.name)
         return {rid: c for (rid, _), c in zip(requests, picks)}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from tree_dev.proposer import has_ngram_match
+from tree_dev.proposer import has_ngram_match, ngram_trie
 from tree_dev.spec import (
     AutoTreePolicy,
     HybridPolicy,
@@ -21,6 +21,7 @@ from tree_dev.spec import (
     parse_candidate,
 )
 from tree_dev.step import GREEDY_TEMPERATURE
+from tree_dev.tree import TokenTree
 
 CLASSES = ("greedy", "sampled")  # temperature classes: below GREEDY_TEMPERATURE, or not
 
@@ -124,19 +125,30 @@ class Candidate:
         return tree_depth(self.policy)
 
 
-def unmatched_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> set[str]:
-    """Names of the n-gram trie candidates (without ``history=``) that find no match in
-    ``context`` this step (``proposer.has_ngram_match``): ``AutoPolicy.choose``'s
-    ``unavailable`` for the request. One scan per distinct ``min_n``."""
-    out: set[str] = set()
-    found: dict[int, bool] = {}
+def step_tries(
+    context: Sequence[int], candidates: Iterable[Candidate]
+) -> dict[str, TokenTree | None]:
+    """The n-gram trie candidates' (those without ``history=``) tries of this step: name ->
+    the ``TokenTree`` ``proposer.ngram_trie`` builds from ``context``, or None where it
+    finds no match (``proposer.has_ngram_match``, checked first). ``AutoPolicy.choose``
+    prices a trie at the nodes it has (a budget-8 trie that matched 2 tokens verifies 3
+    rows, not 9) and reads its acceptance to the depth it reaches; None is
+    ``unavailable``.
+
+    >>> from tree_dev.auto import make_candidates
+    >>> cands = make_candidates(["ngram:budget=8"])
+    >>> step_tries([5, 6, 7, 8], cands)
+    {'ngram:budget=8': None}
+    >>> t = step_tries([5, 6, 7, 5], cands)["ngram:budget=8"]
+    >>> t.num_nodes, t.max_depth  # the root and 6, 7, 5 after the earlier 5
+    (4, 3)
+    """
+    out: dict[str, TokenTree | None] = {}
+    ctx = context if isinstance(context, list) else list(context)
     for c in candidates:
         p = c.policy
         if isinstance(p, NgramPolicy) and not p.history:
-            if p.min_n not in found:
-                found[p.min_n] = has_ngram_match(context, p)
-            if not found[p.min_n]:
-                out.add(c.name)
+            out[c.name] = ngram_trie(ctx, p)[0] if has_ngram_match(ctx, p) else None
     return out
 
 

@@ -142,15 +142,15 @@ class VllmAuto:
         return batch_shape(parts)
 
     def choose(
-        self, requests: list[tuple[str, float]], unavailable: dict | None = None
+        self, requests: list[tuple[str, float]], tries: dict | None = None
     ) -> dict[str, Candidate]:
         """``[(request id, temperature), ...]`` -> this step's candidate per request
-        (``unavailable``: as ``AutoPolicy.choose``)."""
+        (``tries``: as ``AutoPolicy.choose``)."""
         self._t_choose = time.perf_counter()
         if self._forced is not None:
             self._chosen = dict.fromkeys((rid for rid, _ in requests), self._forced)
         else:
-            self._chosen = self.auto.choose(requests, unavailable)
+            self._chosen = self.auto.choose(requests, tries=tries)
         return self._chosen
 
     def forget(self, req_id: str) -> None:
