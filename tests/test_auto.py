@@ -37,6 +37,7 @@ from tree_dev.auto import (
     step_tries,
     temperature_class,
     tree_depth,
+    trie_walk,
 )
 from tree_dev.proposer import TreeExpansion
 from tree_dev.spec import parse_tree_spec
@@ -630,7 +631,7 @@ def test_unavailable_tries_are_neither_chosen_nor_learnt():
     assert policy.tracker.counts("r", "ngram:budget=8", "greedy") == (0.0, [], [])
     # with a match, the untried trie is offered again (its optimistic prior)
     tries = {"r": step_tries([1, 2, 3, 1], cands)}  # the root and 2, 3, 1: 4 nodes
-    assert tries["r"]["ngram:budget=8"].num_nodes == 4
+    assert tries["r"]["ngram:budget=8"].tree.num_nodes == 4
     assert policy.choose([("r", 0.0)], tries=tries)["r"].name == "ngram:budget=8"
     assert policy.step_shape == Shape(4, 0, 0)  # the trie as built, not its budget's 9
 
@@ -663,6 +664,68 @@ def test_a_trie_known_to_reach_a_depth_reads_the_rates_of_trees_that_reached_it(
     assert t.accept_probs("r", "ngram:budget=8", "greedy", 3) == pytest.approx([1, 0.25, 0.25])
     assert t.accept_probs("r", "ngram:budget=8", "greedy", 3, reached=True) == [1, 1, 1]
     assert t.expected_tokens("r", "ngram:budget=8", "greedy", 3, reached=True) == 4.0
+
+
+def test_a_trie_not_run_is_scored_against_the_tokens_that_followed():
+    """Trie shadows, by hand (no decay, no prior, no optimism). The trie is built every
+    step but never run (the engine says it cannot: ``unavailable``); on the text 1 2 3 4
+    1 2 3 4 ... every step from the second 1 on builds the trie whose path (what followed
+    the earlier 1 2 3 4) the text then spells: each shadow, once the text has gone past
+    its leaf, is a step of the trie that accepted its whole depth. On text that breaks
+    the pattern, the shadow accepts what matched."""
+
+    def run(text, steps):
+        tracker = AcceptanceTracker(decay=1.0, prior_weight=0.0, optimism_weight=0.0)
+        policy = AutoPolicy(["ngram:budget=8"], CostModel(a=0.01, b=0.001, c=0.0, d=0.0), tracker)
+        for n in range(4, 4 + steps):  # the context grows a token a step (none)
+            tries = {"r": policy.step_tries("r", text[:n])}
+            no = {"r": {"ngram:budget=8"}}
+            assert policy.choose([("r", 0.0)], no, tries)["r"].name == "none"
+            policy.record([step_of("r", 0, 0)])
+        return policy, tracker.counts("r", "ngram:budget=8", "greedy")
+
+    policy, (steps, tried, accepted) = run([1, 2, 3, 4] * 5, 12)
+    assert steps == policy.stats.trie_shadows > 0
+    assert accepted == tried and tried[0] == steps  # every depth reached was accepted
+    text = [1, 2, 3, 4, 1, 9, 9, 9, 9, 9, 9, 9]  # at context 1 2 3 4 1 the trie says 2 3 4
+    _, (steps, tried, accepted) = run(text, 3)  # 9 follows: the shadow accepts 0
+    assert (steps, tried[0], accepted[0]) == (1.0, 1.0, 0.0)
+
+
+def test_trie_shadows_learn_failures_without_paying_for_them_and_find_the_trie_again():
+    """The trie fails on text whose tokens recur with other continuations (a random
+    stream of 4 symbols); then the text turns into a repeated 6-token cycle. With
+    shadows auto runs the failing trie fewer times than without them (tries built by
+    ``shapes.step_tries``, never shadowed: only its runs teach it), and is back on it at
+    most its depth (8) steps after the first full cycle."""
+    import random
+
+    rnd = random.Random(0)
+    novel = [rnd.randrange(4) for _ in range(40)]
+    text = novel + [10, 11, 12, 13, 14, 15] * 30
+    cycle = len(novel) + 6  # the first full cycle is in the context from here
+    cost = CostModel(a=0.010, b=0.001, c=0.0, d=0.0)  # rows 1 ms: a failing trie loses
+
+    def run(shadows: bool) -> tuple[int, int | None]:
+        policy = AutoPolicy(["ngram:budget=8"], cost)
+        n, novel_runs, back = 8, 0, None
+        while n < len(text) - 20:
+            ctx = text[:n]
+            tries = policy.step_tries("r", ctx) if shadows else step_tries(ctx, policy.candidates)
+            pick = policy.choose([("r", 0.0)], tries={"r": tries})["r"]
+            trie = tries.get(pick.name)
+            got = 0 if trie is None else trie_walk(trie, text[n:])
+            if trie is not None and n < len(novel):
+                novel_runs += 1
+            if trie is not None and n >= cycle and back is None:
+                back = n - cycle
+            policy.record([step_of("r", 0 if trie is None else trie.tree.max_depth, got)])
+            n += got + 1
+        return novel_runs, back
+
+    (runs, back), (runs_blind, _) = run(True), run(False)
+    assert runs < runs_blind
+    assert back is not None and back <= 8
 
 
 def test_vllm_refit_records_the_realised_step_shape(tmp_path):

@@ -1192,6 +1192,7 @@ def test_auto_metrics_lines_render_prometheus_text():
         "cost_model": {"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0},
         "cost_model_measured": True,
         "candidates": ["chain:4"],
+        "trie_shadows": 5,
     }
     text = "\n".join(auto_metrics_lines(stats))
     samples = _samples(text)
@@ -1202,6 +1203,7 @@ def test_auto_metrics_lines_render_prometheus_text():
     assert samples["treespec_auto_measured_step_seconds"] == 0.012
     assert samples["treespec_auto_cost_model_measured"] == 1
     assert samples['treespec_auto_cost_model_coefficient{name="a"}'] == 0.01
+    assert samples["treespec_auto_trie_shadows_total"] == 5
     for name in ("treespec_auto_steps_total", "treespec_auto_choices_total"):
         assert f"# TYPE {name} counter" in text
     # a tree name is an escaped label value

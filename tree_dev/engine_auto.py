@@ -29,7 +29,6 @@ from tree_dev.auto import (
     default_cache_dir,
     load_cost_model,
     save_cost_model,
-    step_tries,
 )
 from tree_dev.requests import Request, SamplingParams
 from tree_dev.spec import AutoTreePolicy, NgramPolicy, NoDraftPolicy, Policy
@@ -72,8 +71,7 @@ class LocalAuto:
         if self._forced is not None:
             picks = [self._forced] * len(batch)
         else:
-            cands = self.candidates
-            tries = {r.req_id: step_tries(r.prompt + r.output, cands) for r in batch}
+            tries = {r.req_id: self.auto.step_tries(r.req_id, r.prompt + r.output) for r in batch}
             reqs = [(r.req_id, r.params.temperature) for r in batch]
             chosen = self.auto.choose(reqs, tries=tries)
             picks = [chosen[r.req_id] for r in batch]

@@ -14,8 +14,11 @@ Four parts, each usable alone:
    candidate, per temperature class (greedy / sampled), decayed per-depth acceptance
    counts, blended with a shared prior per (candidate, class); expected tokens per step =
    ``1 + sum_d P(accepted length >= d)``. Untried trees start optimistic, and every few
-   steps a request is offered a tree it has not run lately at an upper bound (a
-   deterministic probe), so acceptance that recovers is found again.
+   engine steps one request per temperature class is offered a tree it has not run
+   lately at an upper bound (a deterministic probe slot), so acceptance that recovers is
+   found again. N-gram tries cost nothing to build: each step's are built before the
+   choice (``step_tries``), priced at their own nodes, and scored whether run or not
+   (trie shadows, ``trie_walk``).
 4. **The choice** (``chooser``: ``choose``): per request, the candidate maximising the
    batch's ``sum(expected tokens) / predicted step seconds``; ``AutoPolicy`` ties 2-4
    together for an engine (choose before a step, record its ``RequestStep``s and seconds
@@ -52,11 +55,13 @@ from tree_dev.auto.shapes import (
     CLASSES,
     Candidate,
     Shape,
+    Trie,
     make_candidates,
     policy_shape,
     step_tries,
     temperature_class,
     tree_depth,
+    trie_walk,
 )
 
 __all__ = [
@@ -84,5 +89,7 @@ __all__ = [
     "save_cost_model",
     "temperature_class",
     "tree_depth",
+    "Trie",
     "step_tries",
+    "trie_walk",
 ]

@@ -139,17 +139,21 @@ class AcceptanceTracker:
         max_depth: int,
         accepted: int,
         depth: int | None = None,
+        shadow: bool = False,
     ) -> None:
         """One step of ``req_id`` under candidate ``name`` in class ``cls``: a tree
         ``max_depth`` deep of which ``accepted`` drafts were accepted. One call per request
         per engine step, then ``end_step()``. ``depth``: the deepest the candidate's tree
         can be (``tree_depth``), for the prior's optimistic start (else ``max_depth``: an
-        n-gram trie that found no match is 0 deep)."""
+        n-gram trie that found no match is 0 deep). ``shadow``: a tree the request built
+        but did not run, scored against the tokens it emitted since (``AutoPolicy``'s trie
+        shadows): counted as a step of the candidate, not of the request (its step clock
+        stays)."""
         if cls not in CLASSES:
             raise ValueError(f"temperature class {cls!r}: expected one of {CLASSES}")
         max_depth = max(int(max_depth), 0)
         accepted = min(max(int(accepted), 0), max_depth)
-        now = self._req_steps.get(req_id, 0) + 1
+        now = self._req_steps.get(req_id, 0) + (0 if shadow else 1)
         self._req_steps[req_id] = now
         own = self._own.get((req_id, name, cls))
         if own is None:

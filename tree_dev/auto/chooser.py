@@ -15,11 +15,13 @@ from tree_dev.auto.shapes import (
     CLASSES,
     Candidate,
     Shape,
+    Trie,
     make_candidates,
+    step_tries,
     temperature_class,
+    trie_walk,
 )
 from tree_dev.spec import Policy
-from tree_dev.tree import TokenTree
 
 
 def batch_shape(shapes: Iterable[Shape]) -> Shape:
@@ -118,6 +120,7 @@ class AutoStats:
     last_predicted_s: float = 0.0
     last_measured_s: float = 0.0
     correction: float = 1.0
+    trie_shadows: int = 0  # tries scored on steps that did not run them
 
     def count(self, cls: str, name: str) -> None:
         self.choices[cls][name] = self.choices[cls].get(name, 0) + 1
@@ -146,6 +149,7 @@ class AutoStats:
             "last_predicted_s": self.last_predicted_s,
             "last_measured_s": self.last_measured_s,
             "correction": self.correction,
+            "trie_shadows": self.trie_shadows,
         }
 
 
@@ -186,6 +190,16 @@ class AutoPolicy:
     candidate at a time. Unobserved, the factor returns toward 1 (``drift_recover`` 0.9 per
     request step), so probes find a draft that recovered.
 
+    **Trie shadows.** An n-gram trie costs nothing to build, so its acceptance is learnt on
+    every step it matches, run or not: an engine gets a request's tries from
+    ``step_tries(req_id, context)``; a trie ``choose`` did not pick is kept as a shadow
+    and scored, a step or more later, against the tokens the request emitted after its
+    root (``shapes.trie_walk``: the path they spell through it; for a sampled request
+    those tokens are the target's samples the walk would have drawn), then recorded as a
+    step of the trie (``AcceptanceTracker.observe(..., shadow=True)``). So a trie's
+    estimate does not freeze at the bad luck that made a request leave it, nor is a trie
+    that began to match left to probes (``stats.trie_shadows`` counts them).
+
     >>> from tree_dev.step import RequestStep
     >>> auto = AutoPolicy(["chain:2", "chain:6"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0))
     >>> picks = []
@@ -211,6 +225,7 @@ class AutoPolicy:
         if not (0 < drift_decay <= 1 and 0 <= drift_recover <= 1):
             raise ValueError("drift_decay must be in (0, 1], drift_recover in [0, 1]")
         self.candidates = make_candidates(candidates)
+        self._by_name = {c.name: c for c in self.candidates}
         self.cost_model = cost_model
         self.tracker = tracker if tracker is not None else AcceptanceTracker()
         self.stats = AutoStats()
@@ -222,6 +237,9 @@ class AutoPolicy:
         self._pending: dict[Any, tuple[Candidate, str]] = {}
         self._offers: dict[Any, str] = {}  # this step's probe offer per request
         self._probed: dict[Any, tuple[str, str]] = {}  # last step's probe run: (tree, class)
+        self._built_at: dict[Any, int] = {}  # context length of this step's tries
+        # request -> tries it built and did not run: (name, class, trie, context length)
+        self._shadows: dict[Any, list[tuple[str, str, Trie, int]]] = {}
         self._shape = Shape(0, 0, 0)
 
     def expected_row(
@@ -230,7 +248,7 @@ class AutoPolicy:
         cls: str,
         unavailable: Collection[str] = (),
         probe: bool = False,
-        trees: Mapping[str, TokenTree] | None = None,
+        trees: Mapping[str, Trie] | None = None,
     ) -> list[float | None]:
         """Expected tokens of every candidate for ``req_id`` (None: not for its class, or
         in ``unavailable``); ``probe``: the request holds this step's probe slot of its
@@ -250,9 +268,9 @@ class AutoPolicy:
             if not ok:
                 row.append(None)
                 continue
-            tree = None if trees is None else trees.get(c.name)
-            depth = c.depth if tree is None else tree.max_depth
-            reached = tree is not None
+            built = None if trees is None else trees.get(c.name)
+            depth = c.depth if built is None else built.tree.max_depth
+            reached = built is not None
             tokens = self.tracker.expected_tokens(
                 req_id, c.name, cls, depth, c.name == offer, reached
             )
@@ -273,11 +291,30 @@ class AutoPolicy:
         idle = max(self._req_step.get(req_id, 0) - int(d[2]), 0)
         return 1.0 - (1.0 - ratio) * self.drift_recover**idle
 
+    def step_tries(self, req_id: Any, context: Sequence[int]) -> dict[str, Trie | None]:
+        """``shapes.step_tries`` for ``req_id``'s committed tokens ``context`` (its
+        ``choose`` ``tries``), after scoring its trie shadows against them (see the
+        class)."""
+        ctx = context if isinstance(context, list) else list(context)
+        waiting = []
+        for name, cls, trie, at in self._shadows.pop(req_id, []):
+            got = trie_walk(trie, ctx[at:])
+            if got is None:  # the tokens so far could still be its path
+                waiting.append((name, cls, trie, at))
+                continue
+            depth = self._by_name[name].depth
+            self.tracker.observe(req_id, name, cls, trie.tree.max_depth, got, depth, shadow=True)
+            self.stats.trie_shadows += 1
+        if waiting:
+            self._shadows[req_id] = waiting
+        self._built_at[req_id] = len(ctx)
+        return step_tries(ctx, self.candidates)
+
     def choose(
         self,
         requests: Sequence[tuple[Any, float]],
         unavailable: Mapping[Any, Collection[str]] | None = None,
-        tries: Mapping[Any, Mapping[str, TokenTree | None]] | None = None,
+        tries: Mapping[Any, Mapping[str, Trie | None]] | None = None,
     ) -> dict[Any, Candidate]:
         """``[(req_id, temperature), ...]`` -> per request its candidate for this step.
         ``unavailable``: per request, candidates that cannot run for it this step (an
@@ -285,10 +322,10 @@ class AutoPolicy:
         chosen nor learnt from, so a trie's counts are those of steps where it matched.
         ``tries``: per request, its n-gram tries of this step (``step_tries``): one that
         finds no match (None) is unavailable; one built is priced at its own nodes and
-        read to its own depth."""
+        read to its own depth, and when not chosen becomes a shadow (see the class)."""
         classes = [temperature_class(t) for _, t in requests]
         no: dict[Any, set[str]] = {rid: set(v) for rid, v in (unavailable or {}).items()}
-        built: dict[Any, dict[str, TokenTree]] = {}
+        built: dict[Any, dict[str, Trie]] = {}
         for rid, ts in (tries or {}).items():
             no.setdefault(rid, set()).update(n for n, t in ts.items() if t is None)
             built[rid] = {n: t for n, t in ts.items() if t is not None}
@@ -300,7 +337,7 @@ class AutoPolicy:
         ]
         index = {c.name: j for j, c in enumerate(self.candidates)}
         shapes = [
-            {index[n]: Shape(t.num_nodes, 0, 0) for n, t in built.get(rid, {}).items()}
+            {index[n]: Shape(t.tree.num_nodes, 0, 0) for n, t in built.get(rid, {}).items()}
             for rid, _ in requests
         ]
         picks = choose(expected, self.candidates, self.cost_model, shapes)
@@ -317,6 +354,11 @@ class AutoPolicy:
         self._shape = batch_shape(s.get(index[c.name], c.shape) for c, s in zip(picks, shapes))
         for c, cls in zip(picks, classes):
             self.stats.count(cls, c.name)
+        for (rid, _), c, cls in zip(requests, picks, classes):  # the tries not run: shadows
+            at = self._built_at.pop(rid, None)
+            if at is not None:
+                shadows = [(n, cls, t, at) for n, t in built.get(rid, {}).items() if n != c.name]
+                self._shadows.setdefault(rid, []).extend(shadows)
         return {rid: c for (rid, _), c in zip(requests, picks)}
 
     @property
@@ -359,5 +401,7 @@ class AutoPolicy:
         self._pending.pop(req_id, None)
         self._probed.pop(req_id, None)
         self._req_step.pop(req_id, None)
+        self._built_at.pop(req_id, None)
+        self._shadows.pop(req_id, None)
         for k in [k for k in self._drift if k[0] == req_id]:
             del self._drift[k]

@@ -125,31 +125,58 @@ class Candidate:
         return tree_depth(self.policy)
 
 
-def step_tries(
-    context: Sequence[int], candidates: Iterable[Candidate]
-) -> dict[str, TokenTree | None]:
-    """The n-gram trie candidates' (those without ``history=``) tries of this step: name ->
-    the ``TokenTree`` ``proposer.ngram_trie`` builds from ``context``, or None where it
-    finds no match (``proposer.has_ngram_match``, checked first). ``AutoPolicy.choose``
-    prices a trie at the nodes it has (a budget-8 trie that matched 2 tokens verifies 3
-    rows, not 9) and reads its acceptance to the depth it reaches; None is
-    ``unavailable``.
+class Trie(NamedTuple):
+    """An n-gram trie built for a step: its ``tree`` and ``tokens`` per node (the root's
+    first), as ``proposer.ngram_trie`` returns them."""
 
-    >>> from tree_dev.auto import make_candidates
+    tree: TokenTree
+    tokens: list[int]
+
+
+def step_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> dict[str, Trie | None]:
+    """The n-gram trie candidates' (those without ``history=``) tries of this step: name ->
+    the ``Trie`` ``proposer.ngram_trie`` builds from ``context``, or None where it finds
+    no match (``proposer.has_ngram_match``, checked first). ``AutoPolicy.choose`` prices a
+    trie at the nodes it has (a budget-8 trie that matched 2 tokens verifies 3 rows, not
+    9) and reads its acceptance to the depth it reaches; None is ``unavailable``.
+
     >>> cands = make_candidates(["ngram:budget=8"])
     >>> step_tries([5, 6, 7, 8], cands)
     {'ngram:budget=8': None}
     >>> t = step_tries([5, 6, 7, 5], cands)["ngram:budget=8"]
-    >>> t.num_nodes, t.max_depth  # the root and 6, 7, 5 after the earlier 5
-    (4, 3)
+    >>> t.tree.num_nodes, t.tree.max_depth, t.tokens  # 6, 7, 5 followed the earlier 5
+    (4, 3, [5, 6, 7, 5])
     """
-    out: dict[str, TokenTree | None] = {}
+    out: dict[str, Trie | None] = {}
     ctx = context if isinstance(context, list) else list(context)
     for c in candidates:
         p = c.policy
         if isinstance(p, NgramPolicy) and not p.history:
-            out[c.name] = ngram_trie(ctx, p)[0] if has_ngram_match(ctx, p) else None
+            out[c.name] = Trie(*ngram_trie(ctx, p)) if has_ngram_match(ctx, p) else None
     return out
+
+
+def trie_walk(trie: Trie, continuation: Sequence[int]) -> int | None:
+    """How many of ``trie``'s draft tokens the tokens that followed its root
+    (``continuation``) accept: the longest root-to-node path they spell. None while the
+    path could still go deeper (the continuation is used up at a node with children).
+
+    >>> t = step_tries([5, 6, 7, 5], make_candidates(["ngram:budget=8"]))["ngram:budget=8"]
+    >>> trie_walk(t, [6, 7, 9]), trie_walk(t, [8]), trie_walk(t, [6]), trie_walk(t, [6, 7, 5])
+    (2, 0, None, 3)
+    """
+    parents = trie.tree.parents.tolist()
+    node, depth = 0, 0
+    for tok in continuation:
+        kids = [i for i in range(node + 1, len(parents)) if parents[i] == node]
+        if not kids:
+            return depth
+        nxt = next((i for i in kids if trie.tokens[i] == tok), None)
+        if nxt is None:
+            return depth
+        node, depth = nxt, depth + 1
+    has_kids = any(parents[i] == node for i in range(node + 1, len(parents)))
+    return None if has_kids else depth
 
 
 def make_candidates(

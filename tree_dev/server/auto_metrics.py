@@ -106,6 +106,13 @@ def auto_metrics_lines(stats: Mapping[str, Any]) -> list[str]:
             "Online correction factor of the cost model's predictions.",
             [("", stats["correction"])],
         )
+    if "trie_shadows" in stats:
+        lines += _metric(
+            "treespec_auto_trie_shadows_total",
+            "counter",
+            "N-gram tries built but not run, scored against the tokens that followed.",
+            [("", stats["trie_shadows"])],
+        )
     if "cost_model_measured" in stats:
         lines += _metric(
             "treespec_auto_cost_model_measured",

@@ -102,12 +102,10 @@ class TreeProposer:
     def _propose_auto(self, todo: list[tuple[int, str, int]], out: list[list[int]]) -> None:
         """``tree: auto``: each request's tree of this step (``VllmAuto.choose``): none,
         an n-gram trie, or a tree the draft model grows (sampled drafts where chosen)."""
-        from tree_dev.auto import step_tries
-
         states, tokens = self.tr.runner.requests, self.tr.runner.input_batch.token_ids_cpu
         temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
-        cands = self.auto.auto.candidates
-        tries = {rid: step_tries(tokens[i, :n].tolist(), cands) for i, rid, n in todo}
+        auto = self.auto.auto
+        tries = {rid: auto.step_tries(rid, tokens[i, :n].tolist()) for i, rid, n in todo}
         picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)], tries)
         tries, model = [], []
         for t, temp in zip(todo, temps):
