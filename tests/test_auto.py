@@ -618,6 +618,20 @@ def test_optimistic_start_covers_the_whole_tree():
     assert t.accept_probs("r", "ngram:budget=8", "greedy", 8) == pytest.approx([1 / 3] * 8)
 
 
+def test_a_priors_optimism_decays_with_engine_steps_not_with_its_updates():
+    """By hand. One failed step of chain:4 makes its prior: 2 optimistic pseudo-steps and
+    1 real one, q = 2/3 at every depth. The candidate never runs again; 10 engine steps
+    later the pseudo-steps weigh 2 * 0.8**10 = 0.215, q = 0.215 / 1.215: a new request
+    no longer reads 2.5 tokens from a tree that has only failed."""
+    t = AcceptanceTracker()
+    t.observe("r", "chain:4", "greedy", 4, 0)
+    assert t.accept_probs("new", "chain:4", "greedy", 4) == pytest.approx([2 / 3] * 4)
+    for _ in range(10):
+        t.end_step()
+    w = 2 * 0.8**10
+    assert t.accept_probs("new", "chain:4", "greedy", 4) == pytest.approx([w / (w + 1)] * 4)
+
+
 def test_unavailable_tries_are_neither_chosen_nor_learnt():
     """A trie that finds no match this step (``step_tries``: None) is not offered: the
     request gets the best of the rest, and nothing is recorded for the trie."""

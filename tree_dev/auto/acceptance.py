@@ -19,6 +19,10 @@ class _Counts:
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     last: int = 0
+    pseudo: float = 0.0  # a prior's optimistic pseudo-steps at its birth, to pseudo_depth
+    pseudo_depth: int = 0
+    pseudo_rate: float = 1.0
+    born: int = 0
 
     def add(self, now: int, decay: float, max_depth: int, accepted: int) -> None:
         """Record a step numbered ``now``; the first record of a step decays the counts."""
@@ -43,12 +47,19 @@ class _Counts:
         return self.tried[d] if d < len(self.tried) else 0.0
 
     def rate(
-        self, d: int, weight: float, base: float, scale: float = 1.0, reached: bool = False
+        self,
+        d: int,
+        weight: float,
+        base: float,
+        scale: float = 1.0,
+        reached: bool = False,
+        pseudo: float = 0.0,
     ) -> float:
         """``(accepted[d] * scale + weight * base) / (count(d, reached) * scale + weight)``
-        (``base`` when both are 0)."""
-        acc = self.accepted[d] if d < len(self.accepted) else 0.0
-        den = self.count(d, reached) * scale + weight
+        (``base`` when both are 0); ``pseudo``: optimistic pseudo-steps counted too."""
+        p = pseudo if d < self.pseudo_depth else 0.0
+        acc = (self.accepted[d] if d < len(self.accepted) else 0.0) + p * self.pseudo_rate
+        den = (self.count(d, reached) + p) * scale + weight
         return (acc * scale + weight * base) / den if den > 0 else base
 
 
@@ -60,7 +71,10 @@ class AcceptanceTracker:
     updates are multiplied by ``decay`` (0.8; a request's own once per its step, the prior
     once per engine step): recent steps weigh most, about ``1 / (1 - decay)`` steps' worth.
     A prior starts with ``optimism_weight`` (2) pseudo-steps that accepted its whole tree at
-    rate ``optimism`` (1.0), which decay away like any step.
+    rate ``optimism`` (1.0), which decay with time: ``optimism_decay`` (0.8) per engine
+    step since the prior was made, however rarely the candidate runs. (Decayed per update,
+    as the counts are, a deep tree that ran a few times kept reading several tokens at
+    batch 1 and was tried again by every new request.)
 
     The estimate of ``P(accepted length >= d)``, ``d = 1..depth``:
 
@@ -79,8 +93,9 @@ class AcceptanceTracker:
     (never first, then the batch order: ``probe_takers``), which is offered the candidate
     it has gone longest without using or being offered (never first, then the candidates'
     order) at an upper bound (``probe=True``): its own counts scaled by ``fade ** n`` (0.9;
-    ``n`` the request's steps since it last ran it) and one more pseudo-step that accepted
-    the whole tree. ``choose`` takes it if that would pay: a tree left long ago, or after
+    ``n`` the request's steps since it last ran it), the prior's weight faded as much per
+    engine step since the prior's last update, and one more pseudo-step that accepted the
+    whole tree. ``choose`` takes it if that would pay: a tree left long ago, or after
     few steps, is re-tried (its acceptance may have recovered, or it was unlucky); one
     clearly too costly is not. A slot per class, not per request: what one request's probe
     learns goes into the shared prior its class-mates read, while a probe's draft levels
@@ -108,6 +123,7 @@ class AcceptanceTracker:
         prior_weight: float = 1.0,
         optimism: float = 1.0,
         optimism_weight: float = 2.0,
+        optimism_decay: float = 0.8,
         probe_every: int = 8,
         fade: float = 0.9,
         max_backoff: int = 2,
@@ -120,6 +136,7 @@ class AcceptanceTracker:
             )
         self.decay, self.prior_weight, self.fade = decay, prior_weight, fade
         self.optimism, self.optimism_weight = optimism, optimism_weight
+        self.optimism_decay = optimism_decay
         self.probe_every, self.max_backoff = probe_every, max_backoff
         self._backoff: dict[str, int] = {}  # class -> doublings of probe_every
         self._own: dict[tuple[object, str, str], _Counts] = {}
@@ -161,9 +178,10 @@ class AcceptanceTracker:
         stale = self.fade ** max(now - own.last - 1, 0)  # as offered at a probe
         own.add(now, self.decay * stale, max_depth, accepted)
         prior = self._prior.get((name, cls))
-        if prior is None:  # optimistic start: pseudo-steps that decay away
-            w0, opt, n = self.optimism_weight, self.optimism, max(max_depth, depth or 0)
-            prior = _Counts(w0, [w0] * n, [w0 * opt] * n, self._steps + 1)
+        if prior is None:  # optimistic start: pseudo-steps that decay away with time
+            n, now = max(max_depth, depth or 0), self._steps + 1
+            prior = _Counts(last=now, born=now, pseudo_depth=n, pseudo_rate=self.optimism)
+            prior.pseudo = self.optimism_weight
             self._prior[name, cls] = prior
         prior.add(self._steps + 1, self.decay, max_depth, accepted)
         self._q.clear()
@@ -171,6 +189,12 @@ class AcceptanceTracker:
     def end_step(self) -> None:
         """The engine step is over (the priors' step clock)."""
         self._steps += 1
+        self._q.clear()  # the priors' optimism decays with it
+
+    def _pseudo(self, prior: _Counts) -> float:
+        """A prior's optimistic pseudo-steps now: ``optimism_weight`` at its birth, times
+        ``optimism_decay`` per engine step since."""
+        return prior.pseudo * self.optimism_decay ** max(self._steps + 1 - prior.born, 0)
 
     def counts(
         self, req_id: object | None, name: str, cls: str
@@ -178,7 +202,17 @@ class AcceptanceTracker:
         """The decayed ``(steps, tried, accepted)`` of a request's own counts (``req_id``
         None: the prior's, pseudo-steps included), as they stand after its last update."""
         c = self._prior.get((name, cls)) if req_id is None else self._own.get((req_id, name, cls))
-        return (c.steps, list(c.tried), list(c.accepted)) if c is not None else (0.0, [], [])
+        if c is None:
+            return (0.0, [], [])
+        w = self._pseudo(c) if req_id is None else 0.0
+        n = max(len(c.tried), c.pseudo_depth)
+        add = [w if d < c.pseudo_depth else 0.0 for d in range(n)]
+        tried = [(c.tried[d] if d < len(c.tried) else 0.0) + add[d] for d in range(n)]
+        acc = [
+            (c.accepted[d] if d < len(c.accepted) else 0.0) + add[d] * c.pseudo_rate
+            for d in range(n)
+        ]
+        return (c.steps + w, tried, acc)
 
     def forget(self, req_id: object) -> None:
         """Drop a finished request's own counts (the prior keeps what it taught)."""
@@ -209,10 +243,14 @@ class AcceptanceTracker:
         if probe and own is not None:
             scale = self.fade ** (self._req_steps.get(req_id, 0) - own.last)
         key = (name, cls, depth, reached)
+        pseudo = 0.0 if prior is None else self._pseudo(prior)
+        stale = 1.0  # a probe: the prior's weight fades as its own evidence went stale
+        if probe and prior is not None:  # (else a few failed runs, long ago, would hold
+            stale = self.fade ** max(self._steps + 1 - prior.last, 0)  # the bound down)
         qs = self._q.get(key)
         if qs is None:
             qs = [
-                opt if prior is None else prior.rate(d, 0.0, opt, 1.0, reached)
+                opt if prior is None else prior.rate(d, 0.0, opt, 1.0, reached, pseudo)
                 for d in range(depth)
             ]
             self._q[key] = qs
@@ -220,7 +258,7 @@ class AcceptanceTracker:
         for d, q in enumerate(qs):
             p = q if own is None else own.rate(d, w, q, scale, reached)
             if probe:  # one more pseudo-step that accepted the whole tree
-                s = (own.count(d, reached) * scale if own is not None else 0.0) + w
+                s = (own.count(d, reached) * scale if own is not None else 0.0) + w * stale
                 p = (p * s + opt) / (s + 1.0)
             low = min(low, max(0.0, p))
             out.append(low)

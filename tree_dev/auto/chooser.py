@@ -188,7 +188,8 @@ class AutoPolicy:
     all of a source's trees come from the same draft, so when it goes wrong for a request
     (the text turned novel) every such tree is discounted within a few steps, not one
     candidate at a time. Unobserved, the factor returns toward 1 (``drift_recover`` 0.9 per
-    request step), so probes find a draft that recovered.
+    request step), so probes find a draft that recovered; the evidence behind it fades as
+    much, so an old failure does not weigh on the next step that is observed.
 
     **Trie shadows.** An n-gram trie costs nothing to build, so its acceptance is learnt on
     every step it matches, run or not: an engine gets a request's tries from
@@ -384,7 +385,8 @@ class AutoPolicy:
             source, expected = draft_source(cand), self._raw.get((s.req_id, cand.name), 0.0)
             if source is not None and expected > 0:
                 d = self._drift.setdefault((s.req_id, source, cls), [0.0, 0.0, now])
-                k = self.drift_decay
+                # old evidence fades with the steps it went unobserved, as the factor does
+                k = self.drift_decay * self.drift_recover ** max(now - int(d[2]) - 1, 0)
                 d[:] = [k * d[0] + accepted, k * d[1] + expected, now]
         self._pending, self._raw = {}, {}
         self.tracker.end_step()
