@@ -630,6 +630,9 @@ def test_a_priors_optimism_decays_with_engine_steps_not_with_its_updates():
         t.end_step()
     w = 2 * 0.8**10
     assert t.accept_probs("new", "chain:4", "greedy", 4) == pytest.approx([w / (w + 1)] * 4)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="optimism_decay"):
+            AcceptanceTracker(optimism_decay=bad)
 
 
 def test_unavailable_tries_are_neither_chosen_nor_learnt():

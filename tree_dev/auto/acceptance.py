@@ -128,8 +128,10 @@ class AcceptanceTracker:
         fade: float = 0.9,
         max_backoff: int = 2,
     ):
-        if not (0 < decay <= 1 and 0 < fade <= 1 and 0 <= optimism <= 1):
-            raise ValueError("decay and fade must be in (0, 1], optimism in [0, 1]")
+        if not (0 < decay <= 1 and 0 < fade <= 1 and 0 < optimism_decay <= 1):
+            raise ValueError("decay, fade and optimism_decay must be in (0, 1]")
+        if not 0 <= optimism <= 1:
+            raise ValueError(f"optimism must be in [0, 1], not {optimism!r}")
         if min(prior_weight, optimism_weight, probe_every, max_backoff) < 0:
             raise ValueError(
                 "prior_weight, optimism_weight, probe_every and max_backoff must be >= 0"
