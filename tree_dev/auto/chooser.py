@@ -85,8 +85,7 @@ def choose(
         raise ValueError("choose: each request needs one value per candidate, one not None")
     if shapes is not None and len(shapes) != len(e):
         raise ValueError(f"choose: {len(shapes)} shape overrides for {len(e)} requests")
-    own = [c.shape for c in candidates]
-    per = [[own[j] for j in range(len(own))] for _ in range(len(e))]
+    per = [[c.shape for c in candidates] for _ in range(len(e))]
     for i, over in enumerate(shapes or ()):
         for j, sh in over.items():
             per[i][j] = sh

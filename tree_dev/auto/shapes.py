@@ -149,10 +149,13 @@ def step_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> dict[
     """
     out: dict[str, Trie | None] = {}
     ctx = context if isinstance(context, list) else list(context)
+    found: dict[int, bool] = {}  # one scan per distinct min_n
     for c in candidates:
         p = c.policy
         if isinstance(p, NgramPolicy) and not p.history:
-            out[c.name] = Trie(*ngram_trie(ctx, p)) if has_ngram_match(ctx, p) else None
+            if p.min_n not in found:
+                found[p.min_n] = has_ngram_match(ctx, p)
+            out[c.name] = Trie(*ngram_trie(ctx, p)) if found[p.min_n] else None
     return out
 
 

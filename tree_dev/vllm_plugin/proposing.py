@@ -105,18 +105,20 @@ class TreeProposer:
         states, tokens = self.tr.runner.requests, self.tr.runner.input_batch.token_ids_cpu
         temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
         auto = self.auto.auto
-        tries = {rid: auto.step_tries(rid, tokens[i, :n].tolist()) for i, rid, n in todo}
-        picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)], tries)
-        tries, model = [], []
-        for t, temp in zip(todo, temps):
-            cand = picks[t[1]]
+        built = {rid: auto.step_tries(rid, tokens[i, :n].tolist()) for i, rid, n in todo}
+        picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)], built)
+        model = []
+        for (i, rid, n_tokens), temp in zip(todo, temps):
+            cand = picks[rid]
             if is_ngram(cand.policy):
-                tries.append((t, cand.policy))
+                trie = built[rid].get(cand.name)
+                if trie is not None and not self.history.max_tokens:  # built for the choice
+                    self._store(rid, trie.tree, trie.tokens, out, i)
+                else:
+                    self._propose_ngram([(i, rid, n_tokens)], out, cand.policy)
             elif cand.depth > 0:
                 sampled = cand.sampled_drafts and temp >= GREEDY_TEMPERATURE
-                model.append((t, cand.policy, sampled))
-        for (i, rid, n_tokens), policy in tries:
-            self._propose_ngram([(i, rid, n_tokens)], out, policy)
+                model.append(((i, rid, n_tokens), cand.policy, sampled))
         if model:
             self._propose_model([t for t, _, _ in model], out, [(p, s) for _, p, s in model])
 
