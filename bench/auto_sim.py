@@ -59,17 +59,22 @@ def simulate(
     temperature: float = 0.8,
     max_backoff: int | None = None,
     seed: int = 0,
+    prompt: int = 0,
 ) -> float:
     """Tokens per second of ``tree: auto`` over ``AUTO_MODEL_CANDIDATES``, as a ratio to
     decoding without drafts (``batch`` tokens a step of ``cost``'s ``batch`` rows).
-    ``max_backoff`` None: the tracker's default."""
+    ``max_backoff`` None: the tracker's default. The draft's catch-up is simulated too:
+    a request starts ``prompt`` tokens behind; a model tree forwards what it is behind
+    (priced by ``cost.d`` as draft rows) and leaves it its accepted drafts behind; a step
+    without the draft model puts it further behind by the tokens it emits."""
     rnd = random.Random(seed)
     kw = {} if max_backoff is None else {"max_backoff": max_backoff}
     policy = AutoPolicy(AUTO_MODEL_CANDIDATES, cost, AcceptanceTracker(**kw))
     live = {f"r{i}": 0 for i in range(batch)}
+    behind = dict.fromkeys(live, prompt)
     made, tokens, seconds = batch, 0, 0.0
     for _ in range(steps):
-        picks = policy.choose([(r, temperature) for r in live])
+        picks = policy.choose([(r, temperature) for r in live], behind=behind)
         records = []
         for rid, cand in picks.items():
             accepted = 0
@@ -77,26 +82,33 @@ def simulate(
                 accepted += 1
             tokens += 1 + accepted
             records.append(StepOutcome(rid, cand.depth, list(range(accepted + 1))))
+            drafted = cand.shape.draft_levels > 0
+            behind[rid] = accepted if drafted else behind[rid] + 1 + accepted
         seconds += cost.raw(policy.step_shape)
         policy.record(records)
         for rid in list(live):
             live[rid] += 1
             if live[rid] >= request_steps:
                 policy.forget(rid)
-                del live[rid]
-                live[f"r{made}"] = 0
+                del live[rid], behind[rid]
+                live[f"r{made}"], behind[f"r{made}"] = 0, prompt
                 made += 1
     return tokens / seconds / no_draft_rate(batch, cost)
 
 
 def best_fixed(p: float, batch: int, cost: CostModel, temperature: float = 0.8) -> tuple:
-    """``(name, ratio to no drafts)`` of the best candidate given to every request."""
+    """``(name, ratio to no drafts)`` of the best candidate given to every request (a
+    model tree's catch-up: its accepted drafts of the step before, on average)."""
     greedy = temperature < GREEDY_TEMPERATURE
     out = []
     for c in make_candidates(AUTO_MODEL_CANDIDATES):
         if c.sampled_drafts and greedy:
             continue
-        rate = batch * expected_tokens(p, c.depth) / cost.raw(batch_shape([c.shape] * batch))
+        tokens = expected_tokens(p, c.depth)
+        shape = c.shape  # run every step, the draft is behind by the last step's drafts
+        if shape.draft_levels:
+            shape = shape._replace(draft_rows=shape.draft_rows + tokens - 1)
+        rate = batch * tokens / cost.raw(batch_shape([shape] * batch))
         out.append((c.name, rate))
     name, rate = max(out, key=lambda x: x[1])
     return name, rate / no_draft_rate(batch, cost)

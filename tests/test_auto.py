@@ -816,3 +816,76 @@ def test_a_trie_without_a_match_after_its_probe_does_not_back_off():
             policy.record([step_of("r", pick.depth, 0)])
         intervals[runnable_after] = policy.tracker.probe_interval("greedy")
     assert intervals == {False: 8, True: 32}
+
+
+def test_a_model_tree_is_priced_with_its_catch_up():
+    """By hand. 10 ms a step, 1 ms a draft level, 0.5 ms a draft row; chain:4 is (5, 4, 4):
+    16 ms. When it accepted 2 drafts every step (3 tokens) it runs 187/s against none's
+    100/s; a request 20 tokens behind (its draft last ran 20 steps ago) adds 20 rows: 26
+    ms, 115/s, still chain:4; 30 behind: 31 ms, 97/s: none. A catch-up is priced at 32
+    rows at most (a first level's), so a tree that accepts everything (5 tokens, 156/s at
+    32 behind) is chosen 1000 tokens behind (a long prompt), where its full catch-up
+    would price it out for good. A trie is undrafted: no catch-up."""
+    picks = {}
+    for accepted in (2, 4):
+        tracker = AcceptanceTracker(decay=1.0, prior_weight=0.0, optimism_weight=0.0)
+        cost = CostModel(a=0.010, b=0.0, c=0.001, d=0.0005)
+        policy = AutoPolicy(["chain:4"], cost, tracker)
+        for _ in range(3):
+            policy.choose([("r", 0.0)], {"r": {"none"}})  # chain:4 forced: none unavailable
+            policy.record([step_of("r", 4, accepted)])
+        for late in (0, 20, 30, 1000):
+            pick = policy.choose([("r", 0.0)], behind={"r": late})["r"].name
+            picks[accepted, late] = pick
+            if pick != "none":
+                assert policy.step_shape == Shape(5, 4, 4 + min(late, 32))
+            policy._pending = {}  # not recorded: the estimate stays where it is
+    assert picks == {
+        (2, 0): "chain:4",
+        (2, 20): "chain:4",
+        (2, 30): "none",
+        (2, 1000): "none",
+        (4, 0): "chain:4",
+        (4, 20): "chain:4",
+        (4, 30): "chain:4",
+        (4, 1000): "chain:4",
+    }
+    assert auto.with_catch_up(Shape(9, 0, 0), 300) == Shape(9, 0, 0)
+    assert auto.with_catch_up(Shape(5, 4, 4), 300) == Shape(5, 6, 304)  # 2 chunks first
+
+
+def test_a_model_probe_followed_by_a_trie_did_not_pay():
+    """chain:2 never accepts; the trie accepts its whole depth whenever it matches, which
+    is every step but the probe slots'. A probe of chain:2 there is followed by the trie:
+    the model probe did not pay (the request did not keep drafting from the model), so
+    the class backs off to one probe in 32 steps (counted as paid, it stayed at 8)."""
+    policy = AutoPolicy(["chain:2", "ngram:budget=8"], CostModel(**COLLAPSE))
+    model_runs = 0
+    for t in range(160):
+        unavailable = {"ngram:budget=8"} if t % 8 == 7 else set()
+        pick = policy.choose([("r", 0.0)], {"r": unavailable})["r"]
+        accepted = pick.depth if pick.name == "ngram:budget=8" else 0
+        model_runs += pick.name == "chain:2"
+        policy.record([step_of("r", pick.depth, accepted)])
+    assert policy.tracker.probe_interval("greedy") == 32
+    assert 3 <= model_runs <= 10
+
+
+def test_vllm_refit_counts_a_model_trees_catch_up():
+    """Inside vLLM a model tree's realised shape carries its catch-up: a chain:2 (3 rows,
+    2 levels, 2 draft rows) for a request whose draft was 5 tokens behind forwarded 7
+    draft rows; a request given none forwarded nothing, however far behind."""
+    from tree_dev.spec import parse_tree_spec
+    from tree_dev.step import RequestStep
+    from tree_dev.vllm_plugin.auto_choice import VllmAuto
+
+    policy = parse_tree_spec("auto:chain:2").for_draft("eagle")
+    va = VllmAuto(policy, "m", "d", "float32", "cpu", cost_model=CostModel(**COLLAPSE))
+    va.force("chain:2")
+    va.choose([("a", 0.0), ("b", 0.0)], behind={"a": 5, "b": 9})
+    va.drafted()
+    va.step_begin()
+    tree = RequestStep("a", 2, [1] * 3, [-1, 0, 1], [7, 8, 9], 2, [0, 1], [8, 4])
+    va.on_step_event(SimpleNamespace(requests=[tree]))  # "b": vLLM verified no tree
+    va.step_done()
+    assert list(va.samples)[-1][0] == Shape(3 + 1, 2, 2 + 5)

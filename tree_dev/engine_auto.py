@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,7 @@ from tree_dev.auto import (
     default_cache_dir,
     load_cost_model,
     save_cost_model,
+    with_catch_up,
 )
 from tree_dev.requests import Request, SamplingParams
 from tree_dev.spec import AutoTreePolicy, NgramPolicy, NoDraftPolicy, Policy
@@ -73,7 +74,7 @@ class LocalAuto:
         else:
             tries = {r.req_id: self.auto.step_tries(r.req_id, r.prompt + r.output) for r in batch}
             reqs = [(r.req_id, r.params.temperature) for r in batch]
-            chosen = self.auto.choose(reqs, tries=tries)
+            chosen = self.auto.choose(reqs, tries=tries, behind=behind_of(batch))
             picks = [chosen[r.req_id] for r in batch]
         for r, c in zip(batch, picks):
             r.sampled_drafts = c.sampled_drafts and r.mode != "greedy"
@@ -152,12 +153,13 @@ class LocalAuto:
                 if not engine.has_work():
                     break
                 levels0 = engine.forwards["draft"]
+                late = behind_of(engine.requests[i] for i in ids if i in engine.requests)
+                shape = batch_shape(with_catch_up(cand.shape, n) for n in late.values())
                 t0 = time.perf_counter()
                 engine.step()
                 seconds = time.perf_counter() - t0
                 rows = engine.last_verify_rows
                 levels = engine.forwards["draft"] - levels0
-                shape = batch_shape([cand.shape] * bs)
                 if k > 0:  # the first drafted step carries the catch-up on the prompt
                     out.append((Shape(rows, levels, shape.draft_rows if levels else 0), seconds))
         finally:
@@ -184,6 +186,12 @@ def engine_cache_key(engine: Engine) -> dict[str, str]:
     key = cache_key(f"{_model_name(engine.target)}|{draft}", p.dtype, str(p.device))
     key["engine"] = "local"
     return key
+
+
+def behind_of(requests: Iterable[Request]) -> dict[int, int]:
+    """Per request, the committed tokens its draft has not consumed besides the root
+    (``AutoPolicy.choose``'s ``behind``: a model tree's catch-up)."""
+    return {r.req_id: max(len(r.pending) - 1, 0) for r in requests}
 
 
 def is_undrafted(policy: Policy) -> bool:

@@ -62,6 +62,7 @@ from tree_dev.auto.shapes import (
     temperature_class,
     tree_depth,
     trie_walk,
+    with_catch_up,
 )
 
 __all__ = [
@@ -92,4 +93,5 @@ __all__ = [
     "Trie",
     "step_tries",
     "trie_walk",
+    "with_catch_up",
 ]

@@ -63,6 +63,15 @@ class _Counts:
         return (acc * scale + weight * base) / den if den > 0 else base
 
 
+def _running_min(xs: Sequence[float]) -> list[float]:
+    """``xs`` made non-increasing and clipped to [0, 1]: each the least of those before."""
+    out, low = [], 1.0
+    for x in xs:
+        low = min(low, max(0.0, x))
+        out.append(low)
+    return out
+
+
 class AcceptanceTracker:
     """Per request, per candidate, per temperature class: how many tokens a step yields.
 
@@ -148,7 +157,7 @@ class AcceptanceTracker:
         self._slot_taker: dict[object, int] = {}  # request -> engine step of its last slot
         self._req_steps: dict[object, int] = {}
         self._steps = 0  # engine steps ended (end_step)
-        self._q: dict[tuple[str, str, int, bool], list[float]] = {}  # prior rates, to observe
+        self._q: dict[tuple, list[float]] = {}  # prior rates (and made monotone), to observe
 
     def observe(
         self,
@@ -256,6 +265,11 @@ class AcceptanceTracker:
                 for d in range(depth)
             ]
             self._q[key] = qs
+        if own is None and not probe:  # the prior's, as most of a batch reads it
+            low_qs = self._q.get((*key, "min"))
+            if low_qs is None:
+                low_qs = self._q[(*key, "min")] = _running_min(qs)
+            return list(low_qs)
         out, low = [], 1.0
         for d, q in enumerate(qs):
             p = q if own is None else own.rate(d, w, q, scale, reached)

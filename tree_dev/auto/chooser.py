@@ -20,8 +20,10 @@ from tree_dev.auto.shapes import (
     step_tries,
     temperature_class,
     trie_walk,
+    with_catch_up,
 )
 from tree_dev.spec import Policy
+from tree_dev.step import TRUNK_LIMIT
 
 
 def batch_shape(shapes: Iterable[Shape]) -> Shape:
@@ -315,6 +317,7 @@ class AutoPolicy:
         requests: Sequence[tuple[Any, float]],
         unavailable: Mapping[Any, Collection[str]] | None = None,
         tries: Mapping[Any, Mapping[str, Trie | None]] | None = None,
+        behind: Mapping[Any, int] | None = None,
     ) -> dict[Any, Candidate]:
         """``[(req_id, temperature), ...]`` -> per request its candidate for this step.
         ``unavailable``: per request, candidates that cannot run for it this step (an
@@ -322,7 +325,15 @@ class AutoPolicy:
         chosen nor learnt from, so a trie's counts are those of steps where it matched.
         ``tries``: per request, its n-gram tries of this step (``step_tries``): one that
         finds no match (None) is unavailable; one built is priced at its own nodes and
-        read to its own depth, and when not chosen becomes a shadow (see the class)."""
+        read to its own depth, and when not chosen becomes a shadow (see the class).
+        ``behind``: per request, the committed tokens its draft has not consumed besides
+        the root; a tree the draft model grows forwards them first (its catch-up), so
+        they are priced with it (``shapes.with_catch_up``): after a run of ``none``
+        steps, a model tree costs its catch-up on top of its levels. At most
+        ``step.TRUNK_LIMIT`` (32) of them, what a first level carries: a longer catch-up
+        (a new request's prompt) is paid once before any model tree can run, not per
+        step; charged to one step's choice in full, a long prompt would keep a request
+        from ever drafting, and the longer it went without, the more so."""
         classes = [temperature_class(t) for _, t in requests]
         no: dict[Any, set[str]] = {rid: set(v) for rid, v in (unavailable or {}).items()}
         built: dict[Any, dict[str, Trie]] = {}
@@ -340,13 +351,21 @@ class AutoPolicy:
             {index[n]: Shape(t.tree.num_nodes, 0, 0) for n, t in built.get(rid, {}).items()}
             for rid, _ in requests
         ]
+        for (rid, _), over in zip(requests, shapes):
+            late = min((behind or {}).get(rid, 0), TRUNK_LIMIT)
+            if late > 0:
+                for j, c in enumerate(self.candidates):
+                    if c.shape.draft_levels > 0:
+                        over[j] = with_catch_up(c.shape, late)
         picks = choose(expected, self.candidates, self.cost_model, shapes)
         for (rid, _), c, cls in zip(requests, picks, classes):
             probed = self._probed.pop(rid, None)  # the request's last step was a probe:
-            if probed is not None:  # it paid if the request keeps drafting
-                name, probed_cls = probed
-                if c.depth > 0 or name not in no.get(rid, ()):  # else: a trie without a
-                    self.tracker.probe_result(probed_cls, paid=c.depth > 0)  # match: no say
+            if probed is not None:  # it paid if the request keeps drafting from the
+                name, probed_cls = probed  # probed tree's source (a model probe followed
+                source = draft_source(self._by_name[name])  # by a trie says nothing)
+                paid = draft_source(c) == source
+                if paid or name not in no.get(rid, ()):  # else: a trie without a match:
+                    self.tracker.probe_result(probed_cls, paid=paid)  # no say
             if self._offers.get(rid) == c.name:
                 self._probed[rid] = (c.name, cls)
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}

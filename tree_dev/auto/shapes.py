@@ -20,7 +20,7 @@ from tree_dev.spec import (
     draft_slots,
     parse_candidate,
 )
-from tree_dev.step import GREEDY_TEMPERATURE
+from tree_dev.step import CATCH_UP_CHUNK, GREEDY_TEMPERATURE, TRUNK_LIMIT
 from tree_dev.tree import TokenTree
 
 CLASSES = ("greedy", "sampled")  # temperature classes: below GREEDY_TEMPERATURE, or not
@@ -82,6 +82,27 @@ def policy_shape(policy: Policy) -> Shape:
         nodes = min(policy.budget, top.verify_rows - 1 + policy.ngram.budget)
         return Shape(1 + nodes, top.draft_levels, top.draft_rows)
     raise TypeError(f"not a tree policy: {policy!r}")
+
+
+def with_catch_up(shape: Shape, behind: int) -> Shape:
+    """``shape`` of a model-drafted tree for a request whose draft has not consumed
+    ``behind`` committed tokens besides the root (``step.grow_trees``' trunk: the last
+    step's accepted drafts, or every token since the request last drafted, its prompt on
+    its first tree). They ride along in the first level as draft rows; more than
+    ``step.TRUNK_LIMIT`` go first in chunks of ``step.CATCH_UP_CHUNK``, a packed forward
+    (a draft level) each. Undrafted shapes (``none``, a trie) are returned as they are.
+
+    >>> with_catch_up(Shape(5, 4, 4), 3)
+    Shape(verify_rows=5, draft_levels=4, draft_rows=7)
+    >>> with_catch_up(Shape(5, 4, 4), 300)  # 2 chunks of catch-up first
+    Shape(verify_rows=5, draft_levels=6, draft_rows=304)
+    >>> with_catch_up(Shape(9, 0, 0), 300)
+    Shape(verify_rows=9, draft_levels=0, draft_rows=0)
+    """
+    if shape.draft_levels == 0 or behind <= 0:
+        return shape
+    chunks = -(-behind // CATCH_UP_CHUNK) if behind > TRUNK_LIMIT else 0
+    return Shape(shape.verify_rows, shape.draft_levels + chunks, shape.draft_rows + behind)
 
 
 def tree_depth(policy: Policy) -> int:

@@ -35,6 +35,7 @@ from tree_dev.auto import (
     default_cache_dir,
     load_cost_model,
     save_cost_model,
+    with_catch_up,
 )
 from tree_dev.spec import AutoTreePolicy
 from tree_dev.step import StepEvent
@@ -73,6 +74,7 @@ class VllmAuto:
         self.samples: deque[tuple[Shape, float]] = deque(maxlen=KEEP)
         self._events: list[Any] = []
         self._chosen: dict[Any, Candidate] = {}
+        self._behind: dict[Any, int] = {}  # per request, its draft's catch-up this step
         self._forced: Candidate | None = None
         self._t_choose: float | None = None  # this step's choose (its drafting began)
         self._draft_s: float | None = None  # its drafting's seconds
@@ -130,27 +132,32 @@ class VllmAuto:
         """The closed step's shape as run: a verified tree's own nodes (a trie that matched
         little is smaller than its budget; a tree vLLM cut is its prefix), the root alone
         for a request with no verified tree (``none``, a trie without a match); draft
-        levels and rows of the candidate when its tree was drafted by the model."""
+        levels and rows of the candidate when its tree was drafted by the model, its
+        catch-up included (``shapes.with_catch_up``)."""
         parts = []
         for rid, cand in self._chosen.items():
             step = got.get(rid)
             if step is None:
                 parts.append(Shape(1, 0, 0))
             else:
-                nominal = cand.shape
-                parts.append(Shape(len(step.parents), nominal.draft_levels, nominal.draft_rows))
+                _, levels, rows = with_catch_up(cand.shape, self._behind.get(rid, 0))
+                parts.append(Shape(len(step.parents), levels, rows))
         return batch_shape(parts)
 
     def choose(
-        self, requests: list[tuple[str, float]], tries: dict | None = None
+        self,
+        requests: list[tuple[str, float]],
+        tries: dict | None = None,
+        behind: dict | None = None,
     ) -> dict[str, Candidate]:
         """``[(request id, temperature), ...]`` -> this step's candidate per request
-        (``tries``: as ``AutoPolicy.choose``)."""
+        (``tries``, ``behind``: as ``AutoPolicy.choose``)."""
         self._t_choose = time.perf_counter()
+        self._behind = dict(behind or {})
         if self._forced is not None:
             self._chosen = dict.fromkeys((rid for rid, _ in requests), self._forced)
         else:
-            self._chosen = self.auto.choose(requests, tries=tries)
+            self._chosen = self.auto.choose(requests, tries=tries, behind=behind)
         return self._chosen
 
     def forget(self, req_id: str) -> None:

@@ -106,7 +106,8 @@ class TreeProposer:
         temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
         auto = self.auto.auto
         built = {rid: auto.step_tries(rid, tokens[i, :n].tolist()) for i, rid, n in todo}
-        picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)], built)
+        behind = {rid: self._behind(rid, n) for _, rid, n in todo}
+        picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)], built, behind)
         model = []
         for (i, rid, n_tokens), temp in zip(todo, temps):
             cand = picks[rid]
@@ -121,6 +122,16 @@ class TreeProposer:
                 model.append(((i, rid, n_tokens), cand.policy, sampled))
         if model:
             self._propose_model([t for t, _, _ in model], out, [(p, s) for _, p, s in model])
+
+    def _behind(self, rid: str, n_tokens: int) -> int:
+        """Committed elements of request ``rid`` (``n_tokens`` tokens) its draft has not
+        consumed besides the root: the catch-up its next model tree forwards first (0
+        without a draft model). An EAGLE draft sequence pairs token ``k + 1`` with the
+        target's feature at ``k``: one element fewer than tokens."""
+        if self.drafter is None:
+            return 0
+        seq_len = n_tokens - 1 if self.cfg.method == "eagle" else n_tokens
+        return max(seq_len - self.draft_len.get(rid, 0) - 1, 0)
 
     def _eligible(self, sampled_token_ids) -> list[tuple[int, str, int]]:
         """``(batch row, request id, committed tokens)`` of the requests that get a tree
