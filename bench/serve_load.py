@@ -261,7 +261,7 @@ def server_command(name: str, model_set: Path, a: argparse.Namespace) -> list[st
         if draft:
             tree += [
                 "--draft-model" if draft == "draft" else "--eagle-head",
-                str(model_set / draft),
+                str(_draft_dir(model_set, draft)),
             ]
         return ["--engine", "vllm", *common, *tree, *eager]
     if name == "vllm-serve":
@@ -270,6 +270,20 @@ def server_command(name: str, model_set: Path, a: argparse.Namespace) -> list[st
         argv += ["--max-num-seqs", str(max(a.concurrency)), "--dtype", "float32"]
         return argv + ["--max-model-len", str(a.max_model_len or _positions(target))] + eager
     raise ValueError(f"unknown server {name!r}; known: {', '.join(SERVERS)}")
+
+
+def _draft_dir(model_set: Path, draft: str) -> Path:
+    """A model set's ``draft/`` or ``eagle/``; for a named model's directory without one
+    (``--model smollm2-135m``), its committed EAGLE head (``models.named.EAGLE_HEADS``)."""
+    from tree_dev.models.named import EAGLE_HEADS, eagle_head_dir, model_dir
+
+    if draft == "eagle" and not (model_set / draft).is_dir():
+        for name in EAGLE_HEADS:
+            if model_dir(name).resolve() == Path(model_set).resolve():
+                head = eagle_head_dir(name)
+                if head is not None:
+                    return head
+    return model_set / draft
 
 
 def _model_dir(value: str) -> Path:
@@ -425,8 +439,9 @@ def _parser() -> argparse.ArgumentParser:
         "--vllm-tree",
         action="append",
         help="a vllm-tree run with this policy (repeatable: one run each; each may be a tree "
-        "spec, or 'SPEC@draft' / 'SPEC@eagle' for that draft of the model set; default: "
-        "serve.py's best for vLLM)",
+        "spec, or 'SPEC@draft' / 'SPEC@eagle' for that draft of the model set (a named "
+        "model's committed EAGLE head: --model smollm2-135m --vllm-tree auto@eagle); "
+        "default: serve.py's best for vLLM)",
     )
     p.add_argument("--concurrency", default="1,4")
     p.add_argument(

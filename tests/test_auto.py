@@ -443,6 +443,41 @@ def test_choose_is_the_exact_optimum(accepts, bcd):
     assert rate == pytest.approx(brute_force_rate(expected, cands, cost), rel=1e-9)
 
 
+@given(
+    st.lists(st.lists(st.floats(0, 0.15), min_size=4, max_size=4), min_size=1, max_size=4),
+    st.tuples(*[st.floats(0, 0.01)] * 3),
+)
+def test_choose_is_the_exact_optimum_where_little_is_accepted(accepts, bcd):
+    """Where drafts are rarely accepted ``choose`` mostly returns ``none`` for everyone
+    without solving (a sufficient test); against every assignment it is still the best
+    batch rate, and when it is all ``none``, no assignment beats it."""
+    cands = make_candidates(CANDS)
+    expected = [[1 + c.depth * u for c, u in zip(cands, row)] for row in accepts]
+    cost = CostModel(0.01, *bcd)
+    picks = choose(expected, cands, cost)
+    idx = [cands.index(c) for c in picks]
+    tokens = sum(expected[i][j] for i, j in enumerate(idx))
+    rate = tokens / cost.raw(auto.batch_shape(c.shape for c in picks))
+    assert rate == pytest.approx(brute_force_rate(expected, cands, cost), rel=1e-9)
+
+
+def test_nothing_pays_is_decided_without_the_solver(monkeypatch):
+    """By hand: 8 requests, each tree's yield 1.02 tokens (nothing accepted, almost):
+    none for all without calling the solver; one request whose chain:4 yields 5 tokens
+    makes it solve, and that request gets a tree."""
+    from tree_dev.auto import chooser
+
+    calls = []
+    solve = chooser._best_under_cap
+    monkeypatch.setattr(chooser, "_best_under_cap", lambda *a: calls.append(1) or solve(*a))
+    cands = make_candidates(["chain:2", "chain:4"])  # none, chain:2, chain:4
+    cost = CostModel(a=0.010, b=0.0005, c=0.001, d=0.0)
+    rows = [[1.0, 1.02, 1.02] for _ in range(8)]
+    assert {c.name for c in choose(rows, cands, cost)} == {"none"} and not calls
+    rows[3] = [1.0, 3.0, 5.0]
+    assert choose(rows, cands, cost)[3].name == "chain:4" and calls
+
+
 # --------------------------------------------------------------------------- together
 def step_of(req_id, depth: int, accepted: int):
     """A RequestStep-like record: a tree ``depth`` deep, ``accepted`` drafts accepted."""

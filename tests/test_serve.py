@@ -1054,6 +1054,22 @@ def test_serve_load_ratios_are_paired_per_round():
     assert _median_round(rounds)["id"] == 2
 
 
+def test_serve_load_finds_a_named_models_committed_eagle_head(tmp_path):
+    """``--model smollm2-135m --vllm-tree auto@eagle``: the named model's directory has no
+    ``eagle/``, so the vllm-tree server gets its committed head; a model set's own
+    ``eagle/`` wins; a directory that is neither keeps ``eagle/`` (loading then says what
+    is missing)."""
+    from bench.serve_load import _draft_dir
+    from tree_dev.models.named import EAGLE_HEADS, model_dir
+
+    head = EAGLE_HEADS["smollm2-135m"]
+    assert _draft_dir(model_dir("smollm2-135m"), "eagle") == head
+    own = _model_set(tmp_path / "set")
+    assert _draft_dir(own, "eagle") == own / "eagle"
+    assert _draft_dir(tmp_path / "other", "eagle") == tmp_path / "other" / "eagle"
+    assert _draft_dir(model_dir("smollm2-135m"), "draft") == model_dir("smollm2-135m") / "draft"
+
+
 # --------------------------------------------------------------------------- tree: auto
 def _model_set(root: Path) -> Path:
     for sub in ("target", "eagle", "draft", "tokenizer"):

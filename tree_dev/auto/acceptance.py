@@ -291,7 +291,14 @@ class AcceptanceTracker:
     ) -> float:
         """Tokens a step of candidate ``name`` (a tree ``depth`` deep) emits for ``req_id``:
         ``1 + sum(accept_probs)``, in ``[1, 1 + depth]``."""
-        return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
+        if probe or (req_id, name, cls) in self._own:
+            return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
+        key = (name, cls, depth, reached, "tokens")  # the prior's: one sum per engine step
+        tokens = self._q.get(key)
+        if tokens is None:
+            probs = self.accept_probs(req_id, name, cls, depth, probe, reached)
+            tokens = self._q[key] = 1.0 + sum(probs)
+        return tokens
 
     def probe_interval(self, cls: str) -> int:
         """Engine steps between class ``cls``'s probe slots now: ``probe_every``, doubled

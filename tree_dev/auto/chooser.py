@@ -56,6 +56,36 @@ def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) 
     return x
 
 
+def _nothing_pays(
+    e: np.ndarray, candidates: Sequence[Candidate], rows: np.ndarray, levels: np.ndarray, cost
+) -> int | None:
+    """The index of ``none`` when giving it to every request is optimal by a sufficient
+    test, else None (``choose`` then solves). With ``R0`` the all-``none`` rate, no set
+    of switches can beat it when each request's gain from each candidate is at most
+    ``R0`` times that candidate's own rows' cost plus ``1 / n`` of its draft levels' (the
+    levels a batch of ``n`` shares at best): summed over any switched set, the gains stay
+    within ``R0`` times the added seconds. Most steps of a batch where no tree pays end
+    here, without the solver."""
+    j0 = next(
+        (j for j, c in enumerate(candidates) if c.depth == 0 and c.shape.verify_rows == 1), None
+    )
+    if j0 is None or not np.all(np.isfinite(e[:, j0])):
+        return None
+    n = len(e)
+    base_rows = rows[:, j0, :].sum(axis=0)
+    seconds = cost.a + cost.b * base_rows[0] + cost.d * base_rows[1]
+    if not seconds > 0:
+        return None
+    r0 = float(e[:, j0].sum()) / seconds
+    added = cost.b * (rows[..., 0] - rows[:, j0, None, 0]) + cost.d * (
+        rows[..., 1] - rows[:, j0, None, 1]
+    )
+    allowance = r0 * (added + cost.c * levels / n)
+    gain = e - e[:, j0, None]
+    ok = ~np.isfinite(e) | (gain <= allowance)
+    return j0 if bool(ok.all()) else None
+
+
 def choose(
     expected: Sequence[Sequence[float | None]],
     candidates: Sequence[Candidate],
@@ -93,6 +123,9 @@ def choose(
             per[i][j] = sh
     rows = np.array([[[sh.verify_rows, sh.draft_rows] for sh in r] for r in per], dtype=float)
     levels = np.array([[sh.draft_levels for sh in r] for r in per])
+    nothing = _nothing_pays(e, candidates, rows, levels, cost_model)
+    if nothing is not None:
+        return [candidates[nothing]] * len(e)
     best, best_rate = None, -1.0
     for cap in sorted(set(levels.ravel().tolist())):
         ec = np.where(levels <= cap, e, -np.inf)
