@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tree_dev.auto.shapes import CLASSES
 
@@ -61,6 +62,15 @@ class _Counts:
         acc = (self.accepted[d] if d < len(self.accepted) else 0.0) + p * self.pseudo_rate
         den = (self.count(d, reached) + p) * scale + weight
         return (acc * scale + weight * base) / den if den > 0 else base
+
+
+class _PriorRates(NamedTuple):
+    """A prior's per-depth rates ``q_d``, as ``P(accepted length >= d)`` (non-increasing),
+    and the tokens a step yields by them."""
+
+    rates: list[float]
+    probs: list[float]
+    tokens: float
 
 
 def _running_min(xs: Sequence[float]) -> list[float]:
@@ -157,7 +167,7 @@ class AcceptanceTracker:
         self._slot_taker: dict[object, int] = {}  # request -> engine step of its last slot
         self._req_steps: dict[object, int] = {}
         self._steps = 0  # engine steps ended (end_step)
-        self._q: dict[tuple, list[float]] = {}  # prior rates (and made monotone), to observe
+        self._q: dict[tuple[str, str, int, bool], _PriorRates] = {}  # until the next observe
 
     def observe(
         self,
@@ -253,25 +263,14 @@ class AcceptanceTracker:
         scale = 1.0
         if probe and own is not None:
             scale = self.fade ** (self._req_steps.get(req_id, 0) - own.last)
-        key = (name, cls, depth, reached)
-        pseudo = 0.0 if prior is None else self._pseudo(prior)
         stale = 1.0  # a probe: the prior's weight fades as its own evidence went stale
         if probe and prior is not None:  # (else a few failed runs, long ago, would hold
             stale = self.fade ** max(self._steps + 1 - prior.last, 0)  # the bound down)
-        qs = self._q.get(key)
-        if qs is None:
-            qs = [
-                opt if prior is None else prior.rate(d, 0.0, opt, 1.0, reached, pseudo)
-                for d in range(depth)
-            ]
-            self._q[key] = qs
+        read = self._prior_rates(name, cls, depth, reached)
         if own is None and not probe:  # the prior's, as most of a batch reads it
-            low_qs = self._q.get((*key, "min"))
-            if low_qs is None:
-                low_qs = self._q[(*key, "min")] = _running_min(qs)
-            return list(low_qs)
+            return list(read.probs)
         out, low = [], 1.0
-        for d, q in enumerate(qs):
+        for d, q in enumerate(read.rates):
             p = q if own is None else own.rate(d, w, q, scale, reached)
             if probe:  # one more pseudo-step that accepted the whole tree
                 s = (own.count(d, reached) * scale if own is not None else 0.0) + w * stale
@@ -291,14 +290,25 @@ class AcceptanceTracker:
     ) -> float:
         """Tokens a step of candidate ``name`` (a tree ``depth`` deep) emits for ``req_id``:
         ``1 + sum(accept_probs)``, in ``[1, 1 + depth]``."""
-        if probe or (req_id, name, cls) in self._own:
-            return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
-        key = (name, cls, depth, reached, "tokens")  # the prior's: one sum per engine step
-        tokens = self._q.get(key)
-        if tokens is None:
-            probs = self.accept_probs(req_id, name, cls, depth, probe, reached)
-            tokens = self._q[key] = 1.0 + sum(probs)
-        return tokens
+        if not probe and (req_id, name, cls) not in self._own:
+            return self._prior_rates(name, cls, depth, reached).tokens
+        return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
+
+    def _prior_rates(self, name: str, cls: str, depth: int, reached: bool) -> _PriorRates:
+        """The class prior's rates of candidate ``name`` to ``depth`` now (``optimism``
+        while it has none), computed once per engine step and observation."""
+        key = (name, cls, depth, reached)
+        got = self._q.get(key)
+        if got is None:
+            prior, opt = self._prior.get((name, cls)), self.optimism
+            pseudo = 0.0 if prior is None else self._pseudo(prior)
+            rates = [
+                opt if prior is None else prior.rate(d, 0.0, opt, 1.0, reached, pseudo)
+                for d in range(depth)
+            ]
+            probs = _running_min(rates)
+            got = self._q[key] = _PriorRates(rates, probs, 1.0 + sum(probs))
+        return got
 
     def probe_interval(self, cls: str) -> int:
         """Engine steps between class ``cls``'s probe slots now: ``probe_every``, doubled

@@ -57,7 +57,11 @@ def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) 
 
 
 def _nothing_pays(
-    e: np.ndarray, candidates: Sequence[Candidate], rows: np.ndarray, levels: np.ndarray, cost
+    e: np.ndarray,
+    candidates: Sequence[Candidate],
+    rows: np.ndarray,
+    levels: np.ndarray,
+    cost: CostModel,
 ) -> int | None:
     """The index of ``none`` when giving it to every request is optimal by a sufficient
     test, else None (``choose`` then solves). With ``R0`` the all-``none`` rate, no set
@@ -66,9 +70,7 @@ def _nothing_pays(
     levels a batch of ``n`` shares at best): summed over any switched set, the gains stay
     within ``R0`` times the added seconds. Most steps of a batch where no tree pays end
     here, without the solver."""
-    j0 = next(
-        (j for j, c in enumerate(candidates) if c.depth == 0 and c.shape.verify_rows == 1), None
-    )
+    j0 = next((j for j, c in enumerate(candidates) if draft_source(c) is None), None)
     if j0 is None or not np.all(np.isfinite(e[:, j0])):
         return None
     n = len(e)
