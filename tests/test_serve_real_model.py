@@ -2,8 +2,9 @@
 
 ``--model NAME`` resolves through ``tree_dev.models.named`` (SmolLM2-135M-Instruct is
 fetched into ``$TREESPEC_CACHE`` on first use: the ``smollm2_dir`` fixture of
-conftest.py). A plain HF directory has no draft model and no EAGLE head, so the default
-tree is the n-gram trie in both engines. The end-to-end tests start one server at a time
+conftest.py). Served by name it has the project's committed EAGLE head, so the default
+is ``auto`` over that head's trees and the n-gram trie in both engines; by path, a plain
+HF directory, ``auto`` over the n-gram tries. The end-to-end tests start one server at a time
 (``serve.py`` in a subprocess, eager vLLM, 512 tokens of context) and ask it one
 greedy chat question through the ``openai`` client; the reply must name Paris, and the
 prompt must be the model's own ChatML chat template.
@@ -40,25 +41,31 @@ ENGINES = [
 
 # --------------------------------------------------------------------------- config
 @pytest.mark.parametrize("engine", ENGINES)
-def test_name_resolves_to_the_fetched_dir_with_the_ngram_trie(engine, smollm2_dir):
+def test_name_resolves_to_the_fetched_dir_served_with_auto(engine, smollm2_dir):
+    from tree_dev.models.named import EAGLE_HEADS
+
     c = config.resolve_config(["--engine", engine, "--model", NAME])
     assert c.model == smollm2_dir and (c.model / "config.json").is_file()
     assert c.served_model_name == NAME and c.max_model_len == 8192
-    # no draft, no EAGLE head: the n-gram trie, which needs no model
-    assert (c.tree, c.drafter, c.drafter_path) == ("ngram:budget=8", "ngram", None)
-    assert c.tree_source == "default for a model without a draft"
-    # the same directory by path: the same policy, named after the directory
+    # by name: auto over the model's committed EAGLE head (and the n-gram trie)
+    assert (c.tree, c.drafter, c.drafter_path) == ("auto", "eagle", EAGLE_HEADS[NAME])
+    assert c.tree_source == "default with the model's committed EAGLE head"
+    # the same directory by path has no name, so no head: auto over the n-gram tries
     by_path = config.resolve_config(["--engine", engine, "--model", str(smollm2_dir)])
-    assert (by_path.model, by_path.tree, by_path.drafter) == (c.model, c.tree, c.drafter)
+    assert (by_path.model, by_path.tree) == (c.model, "auto")
+    assert (by_path.drafter, by_path.drafter_path) == ("ngram", None)
+    assert by_path.tree_source == "default for a model without a draft"
     # plain decoding when asked; a tree that needs a draft is still an error
     plain = config.resolve_config(["--engine", engine, "--model", NAME, "--tree", "none"])
     assert (plain.tree, plain.drafter) == ("none", None)
-    if engine == "vllm":  # its own tokenizer and ChatML template, vLLM's n-gram proposer
+    if engine == "vllm":  # its own tokenizer and ChatML template; the plugin's auto
         argv = config.vllm_argv(c)
         assert argv[argv.index("--model") + 1] == str(smollm2_dir)
         assert "--tokenizer" not in argv and "--chat-template" not in argv
         assert argv[argv.index("--served-model-name") + 1] == NAME
-        assert config.vllm_speculative_config(c) == {"method": "ngram", "num_speculative_tokens": 8}
+        assert config.vllm_speculative_config(c)["method"] == "eagle"
+        assert config.vllm_speculative_config(by_path)["method"] == "ngram"
+        assert config.vllm_additional_config(by_path) == {"treespec": {"tree": "auto"}}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -107,7 +114,7 @@ def _ask_paris(base: str, model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     card = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]
-    assert card["id"] == NAME and card["treespec"]["tree"] == "ngram:budget=8", card
+    assert card["id"] == NAME and card["treespec"]["tree"] == "auto", card
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": QUESTION}]
     r = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=16)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tree_dev.models.named import eagle_head_dir
 from tree_dev.spec import (
     DRAFT_OF_VLLM_METHOD,
     AutoTreePolicy,
@@ -38,19 +39,15 @@ GATES_REPORTS = {
     "vllm": REPO / "results" / "gates_vllm.json",
 }
 ENGINES = ("local", "vllm")
-# The serving defaults are code, not benchmark output: the same flags serve the same tree
+# The serving defaults are code, not benchmark output: the same flags serve the same policy
 # on every machine. ``--tree-from REPORT.json`` serves a report's measured best instead.
-# Why each default was chosen, with its figures: docs/serve.md ("Default policies").
-#: The local engine's tree for a model set with an EAGLE head or draft model.
-DEFAULT_TREE = "topk:k=2,depth=8,budget=8,temp=0.3"
-#: vLLM's policy for a model set given no tree or draft flag: the plugin's n-gram trie.
-VLLM_DEFAULT_POLICY = ("ngram", "ngram:budget=8")
-#: The tree given a vLLM draft model or EAGLE head without a tree flag: their chain of 4.
-VLLM_DEFAULT_DRAFT_TREE = "chain:4"
-#: The tree of a plain checkpoint directory (a pretrained model such as ``smollm2-135m``:
-#: no draft model, no EAGLE head) given no tree or draft flag, in both engines: the
-#: n-gram trie, which drafts from the text itself.
-PLAIN_MODEL_DEFAULT_TREE = VLLM_DEFAULT_POLICY[1]
+# Why, with the figures: docs/serve.md ("Default policies").
+#: The tree of every default, both engines, wherever a draft or a trie is available:
+#: ``auto`` chooses per step and request the tree, or none, of the best expected tokens per
+#: second, so a server with speculation on is not slower where drafts do not pay. Its
+#: draft: a model set's EAGLE head (else its draft LM), a named model's committed EAGLE
+#: head, the draft flag given; with none of them, its n-gram tries alone.
+DEFAULT_TREE = "auto"
 #: vLLM speculative methods -> the drafter kind they use (the core's, and ``eagle3``; a
 #: drafter kind maps back to its method through ``tree_dev.spec.VLLM_METHOD``).
 VLLM_METHODS = {**DRAFT_OF_VLLM_METHOD, "eagle3": "eagle"}
@@ -174,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         help="tree spec: none, chain:K, paths:[...], medusa:NAME, topk:..., ngram:..., "
         "hybrid:..., or auto (per step and request the tree, or none, of the best expected "
-        "tokens per second; auto:TREE;TREE;... lists its candidates)",
+        "tokens per second; auto:TREE;TREE;... lists its candidates; the default wherever "
+        "a draft or an n-gram trie is available)",
     )
     t.add_argument(
         "--tree-from",
@@ -789,9 +787,14 @@ def _apply_defaults(
         _model_set_defaults(engine, model, pol, measured)
         model = model / "target"
     elif pol.tree is None and pol.drafter is None and (model / "config.json").is_file():
-        # a plain checkpoint (a pretrained model): no draft, so the n-gram trie
-        pol.tree, pol.source = PLAIN_MODEL_DEFAULT_TREE, "default for a model without a draft"
+        # a plain checkpoint (a pretrained model): auto over a named model's committed
+        # EAGLE head (and the n-gram trie), else over its n-gram tries
+        pol.tree, pol.source = DEFAULT_TREE, "default for a model without a draft"
+        head = eagle_head_dir(str(a.model))
+        if head is not None:
+            pol.source = "default with the model's committed EAGLE head"
         if measured is not None:
+            head = None
             _, pol.tree, pol.source, sampled = measured
             pol.sample_drafts(sampled, "--tree-from")
             if not runs_without_model(pol.tree):
@@ -800,21 +803,19 @@ def _apply_defaults(
                     f"draft; {model} is a plain checkpoint without one (was the report "
                     "measured on another model?)"
                 )
-        pol.drafter = None if pol.tree == "none" else ("ngram", None)
+        if head is not None:
+            pol.drafter = ("eagle", head)
+        else:
+            pol.drafter = None if pol.tree == "none" else ("ngram", None)
     elif pol.drafter is None and pol.tree is not None and not runs_without_model(pol.tree):
-        from tree_dev.models.named import eagle_head_dir
-
         head = eagle_head_dir(str(a.model))
         if head is not None:  # a named model's committed EAGLE head (distill-eagle)
             pol.drafter = ("eagle", head)
     if pol.tree is None:
         if pol.drafter is None:
             pol.tree, pol.source = "none", "no draft given"
-        elif engine == "vllm":
-            pol.tree = VLLM_DEFAULT_DRAFT_TREE
-            pol.source = f"default for a vLLM {pol.drafter[0]} draft"
         else:
-            pol.tree, pol.source = DEFAULT_TREE, f"default for a local {pol.drafter[0]} draft"
+            pol.tree, pol.source = DEFAULT_TREE, f"default with the {pol.drafter[0]} draft"
     if pol.drafter is None and auto_policy(pol.tree) is not None and runs_without_model(pol.tree):
         pol.drafter = ("ngram", None)  # auto without a draft model: its n-gram tries
     return model, tokenizer
@@ -823,22 +824,23 @@ def _apply_defaults(
 def _model_set_defaults(
     engine: str, model: Path, pol: _Policy, measured: tuple[str | None, str, str, bool] | None
 ) -> None:
-    """A model set's policy: vLLM's default (or measured) policy, else its EAGLE head or
-    draft model (the local engine prefers the head unless the report names the draft)."""
-    if engine == "vllm" and pol.tree is None and pol.drafter is None:
-        kind, pol.tree = VLLM_DEFAULT_POLICY
-        pol.source, sampled = "default for a vLLM model set", False
-        if measured is not None:
-            kind, pol.tree, pol.source, sampled = measured
-        pol.sample_drafts(sampled, "--tree-from")
-        if kind is not None:
-            pol.drafter = (kind, None if kind == "ngram" else model / kind)
-    elif measured is not None and pol.tree is None:
-        kind, pol.tree, pol.source, _ = measured
-        if kind == "ngram":
+    """A model set's measured policy (``--tree-from``) and its draft: the EAGLE head, else
+    the draft model (the local engine prefers the head unless the report names the
+    draft), else, for a tree that runs without a model (the default ``auto``), its
+    n-gram tries. A tree still unset here is the default (``_apply_defaults``)."""
+    if measured is not None and pol.tree is None and pol.drafter is None:
+        kind, pol.tree, pol.source, sampled = measured
+        if engine == "vllm":
+            pol.sample_drafts(sampled, "--tree-from")
+            if kind is not None:
+                pol.drafter = (kind, None if kind == "ngram" else model / kind)
+        elif kind == "ngram":
             pol.drafter = ("ngram", None)
     if pol.drafter is None and pol.tree != "none":
         has_draft, has_eagle = (model / "draft").is_dir(), (model / "eagle").is_dir()
+        if not (has_draft or has_eagle) and (pol.tree is None or runs_without_model(pol.tree)):
+            pol.drafter = ("ngram", None)
+            return
         if engine == "vllm":  # the EAGLE head, exported for vLLM at start-up
             use_draft = has_draft and not has_eagle
         else:
