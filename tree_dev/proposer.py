@@ -400,7 +400,7 @@ def ngram_trie(
         raise ValueError(f"policy must be an NgramPolicy, got {type(policy).__name__}")
     if len(context) == 0:
         raise ValueError("ngram_trie: empty context (the root token is its last element)")
-    ctx = [int(t) for t in context]
+    ctx = list(map(int, context))
     if history is not None and len(history):
         ctx = history.tokens() + [SEPARATOR] + ctx
     nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node (trie ids, 1-based)

@@ -47,21 +47,24 @@ class _Counts:
             return self.steps
         return self.tried[d] if d < len(self.tried) else 0.0
 
-    def rate(
+    def rates(
         self,
-        d: int,
+        bases: Sequence[float],
         weight: float,
-        base: float,
         scale: float = 1.0,
         reached: bool = False,
         pseudo: float = 0.0,
-    ) -> float:
-        """``(accepted[d] * scale + weight * base) / (count(d, reached) * scale + weight)``
-        (``base`` when both are 0); ``pseudo``: optimistic pseudo-steps counted too."""
-        p = pseudo if d < self.pseudo_depth else 0.0
-        acc = (self.accepted[d] if d < len(self.accepted) else 0.0) + p * self.pseudo_rate
-        den = (self.count(d, reached) + p) * scale + weight
-        return (acc * scale + weight * base) / den if den > 0 else base
+    ) -> list[float]:
+        """Per depth ``d < len(bases)``: ``(accepted[d] * scale + weight * bases[d]) /
+        (count(d, reached) * scale + weight)`` (``bases[d]`` when both are 0); ``pseudo``:
+        optimistic pseudo-steps counted too."""
+        out = []
+        for d, base in enumerate(bases):
+            p = pseudo if d < self.pseudo_depth else 0.0
+            acc = (self.accepted[d] if d < len(self.accepted) else 0.0) + p * self.pseudo_rate
+            den = (self.count(d, reached) + p) * scale + weight
+            out.append((acc * scale + weight * base) / den if den > 0 else base)
+        return out
 
 
 class _PriorRates(NamedTuple):
@@ -76,8 +79,10 @@ class _PriorRates(NamedTuple):
 def _running_min(xs: Sequence[float]) -> list[float]:
     """``xs`` made non-increasing and clipped to [0, 1]: each the least of those before."""
     out, low = [], 1.0
-    for x in xs:
-        low = min(low, max(0.0, x))
+    for x in xs:  # low = min(low, max(0.0, x)), without the two calls (a hot loop)
+        x = x if x > 0.0 else 0.0
+        if x < low:
+            low = x
         out.append(low)
     return out
 
@@ -269,15 +274,14 @@ class AcceptanceTracker:
         read = self._prior_rates(name, cls, depth, reached)
         if own is None and not probe:  # the prior's, as most of a batch reads it
             return list(read.probs)
-        out, low = [], 1.0
-        for d, q in enumerate(read.rates):
-            p = q if own is None else own.rate(d, w, q, scale, reached)
-            if probe:  # one more pseudo-step that accepted the whole tree
+        rates = read.rates if own is None else own.rates(read.rates, w, scale, reached)
+        if probe:  # one more pseudo-step that accepted the whole tree
+            probed = []  # a new list: ``read.rates`` is the prior's, cached
+            for d, p in enumerate(rates):
                 s = (own.count(d, reached) * scale if own is not None else 0.0) + w * stale
-                p = (p * s + opt) / (s + 1.0)
-            low = min(low, max(0.0, p))
-            out.append(low)
-        return out
+                probed.append((p * s + opt) / (s + 1.0))
+            rates = probed
+        return _running_min(rates)
 
     def expected_tokens(
         self,
@@ -290,6 +294,8 @@ class AcceptanceTracker:
     ) -> float:
         """Tokens a step of candidate ``name`` (a tree ``depth`` deep) emits for ``req_id``:
         ``1 + sum(accept_probs)``, in ``[1, 1 + depth]``."""
+        if depth <= 0:  # ``none``: no draft to accept
+            return 1.0
         if not probe and (req_id, name, cls) not in self._own:
             return self._prior_rates(name, cls, depth, reached).tokens
         return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
@@ -302,10 +308,9 @@ class AcceptanceTracker:
         if got is None:
             prior, opt = self._prior.get((name, cls)), self.optimism
             pseudo = 0.0 if prior is None else self._pseudo(prior)
-            rates = [
-                opt if prior is None else prior.rate(d, 0.0, opt, 1.0, reached, pseudo)
-                for d in range(depth)
-            ]
+            rates = [opt] * depth
+            if prior is not None:
+                rates = prior.rates(rates, 0.0, 1.0, reached, pseudo)
             probs = _running_min(rates)
             got = self._q[key] = _PriorRates(rates, probs, 1.0 + sum(probs))
         return got

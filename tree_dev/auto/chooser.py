@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -119,12 +120,15 @@ def choose(
         raise ValueError("choose: each request needs one value per candidate, one not None")
     if shapes is not None and len(shapes) != len(e):
         raise ValueError(f"choose: {len(shapes)} shape overrides for {len(e)} requests")
-    per = [[c.shape for c in candidates] for _ in range(len(e))]
+    own = [c.shape for c in candidates]
+    per = [list(own) for _ in range(len(e))]
     for i, over in enumerate(shapes or ()):
         for j, sh in over.items():
             per[i][j] = sh
-    rows = np.array([[[sh.verify_rows, sh.draft_rows] for sh in r] for r in per], dtype=float)
-    levels = np.array([[sh.draft_levels for sh in r] for r in per])
+    # [requests, candidates, (verify_rows, draft_levels, draft_rows)], one array call
+    sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 3)
+    rows = sizes[..., ::2].astype(float)  # verify and draft rows
+    levels = sizes[..., 1]
     nothing = _nothing_pays(e, candidates, rows, levels, cost_model)
     if nothing is not None:
         return [candidates[nothing]] * len(e)
@@ -263,6 +267,8 @@ class AutoPolicy:
             raise ValueError("drift_decay must be in (0, 1], drift_recover in [0, 1]")
         self.candidates = make_candidates(candidates)
         self._by_name = {c.name: c for c in self.candidates}
+        self._index = {c.name: j for j, c in enumerate(self.candidates)}
+        self._sources = [draft_source(c) for c in self.candidates]
         self.cost_model = cost_model
         self.tracker = tracker if tracker is not None else AcceptanceTracker()
         self.stats = AutoStats()
@@ -300,8 +306,9 @@ class AutoPolicy:
         offer = self.tracker.probe(req_id, cls, drafting) if probe else None
         if offer is not None:
             self._offers[req_id] = offer
+        drifts: dict[str, float] = {}  # per draft source: the same for all its candidates
         row: list[float | None] = []
-        for c, ok in zip(self.candidates, allowed):
+        for c, source, ok in zip(self.candidates, self._sources, allowed):
             if not ok:
                 row.append(None)
                 continue
@@ -312,9 +319,10 @@ class AutoPolicy:
                 req_id, c.name, cls, depth, c.name == offer, reached
             )
             self._raw[req_id, c.name] = tokens - 1.0
-            source = draft_source(c)
             if source is not None:
-                tokens = 1.0 + self.drift(req_id, source, cls) * (tokens - 1.0)
+                if source not in drifts:
+                    drifts[source] = self.drift(req_id, source, cls)
+                tokens = 1.0 + drifts[source] * (tokens - 1.0)
             row.append(tokens)
         return row
 
@@ -381,17 +389,22 @@ class AutoPolicy:
             self.expected_row(rid, cls, no.get(rid, ()), rid in takers, built.get(rid))
             for (rid, _), cls in zip(requests, classes)
         ]
-        index = {c.name: j for j, c in enumerate(self.candidates)}
+        index = self._index
         shapes = [
             {index[n]: Shape(t.tree.num_nodes, 0, 0) for n, t in built.get(rid, {}).items()}
             for rid, _ in requests
         ]
+        caught_up: dict[int, dict[int, Shape]] = {}  # behind -> the model trees' shapes
         for (rid, _), over in zip(requests, shapes):
             late = min((behind or {}).get(rid, 0), TRUNK_LIMIT)
             if late > 0:
-                for j, c in enumerate(self.candidates):
-                    if c.shape.draft_levels > 0:
-                        over[j] = with_catch_up(c.shape, late)
+                if late not in caught_up:
+                    caught_up[late] = {
+                        j: with_catch_up(c.shape, late)
+                        for j, c in enumerate(self.candidates)
+                        if c.shape.draft_levels > 0
+                    }
+                over.update(caught_up[late])
         picks = choose(expected, self.candidates, self.cost_model, shapes)
         for (rid, _), c, cls in zip(requests, picks, classes):
             probed = self._probed.pop(rid, None)  # the request's last step was a probe:
