@@ -887,6 +887,36 @@ def test_a_model_tree_is_priced_with_its_catch_up():
     assert auto.with_catch_up(Shape(5, 4, 4), 300) == Shape(5, 6, 304)  # 2 chunks first
 
 
+def test_a_probe_pays_its_whole_catch_up():
+    """By hand, the costs of the test above (none 10 ms, chain:4 16 ms plus 0.5 ms a
+    catch-up row). chain:4 ran three steps and accepted nothing, so it reads 1 token and
+    the request runs none; every engine step is a probe slot (``probe_every=1``, no
+    back-off), and the offered chain:4 is read at an upper bound that the steps without
+    it fade towards the whole tree: 5 tokens. 10 tokens behind (21 ms) the bound pays
+    and the probes run; 200 behind, a probe's step would forward the 200 rows first (a
+    chunk and 200 rows, 117 ms: 43/s against none's 100/s), so none runs. A regular
+    choice, priced at 32 rows at most, is not held back by the same catch-up (the test
+    above, 1000 behind)."""
+    runs = {}
+    for late in (10, 200):
+        tracker = AcceptanceTracker(
+            decay=1.0, prior_weight=0.0, optimism_weight=0.0, probe_every=1, max_backoff=0
+        )
+        policy = AutoPolicy(["chain:4"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0005), tracker)
+        for _ in range(3):
+            policy.choose([("r", 0.0)], {"r": {"none"}})  # chain:4 forced: none unavailable
+            policy.record([step_of("r", 4, 0)])
+        runs[late] = 0
+        for _ in range(40):
+            pick = policy.choose([("r", 0.0)], behind={"r": late})["r"]
+            runs[late] += pick.name == "chain:4"
+            if pick.name == "chain:4":
+                assert policy.step_shape == auto.with_catch_up(Shape(5, 4, 4), late)
+            policy.record([step_of("r", pick.depth, 0)])
+    assert runs[10] >= 3, runs  # probes ran (4 of 40 steps: each failure lowers the bound)
+    assert runs[200] == 0, runs
+
+
 def test_a_model_probe_followed_by_a_trie_did_not_pay():
     """chain:2 never accepts; the trie accepts its whole depth whenever it matches, which
     is every step but the probe slots'. A probe of chain:2 there is followed by the trie:

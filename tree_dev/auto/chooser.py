@@ -376,7 +376,11 @@ class AutoPolicy:
         ``step.TRUNK_LIMIT`` (32) of them, what a first level carries: a longer catch-up
         (a new request's prompt) is paid once before any model tree can run, not per
         step; charged to one step's choice in full, a long prompt would keep a request
-        from ever drafting, and the longer it went without, the more so."""
+        from ever drafting, and the longer it went without, the more so. A probe's tree
+        (the candidate a probe slot offers) is priced with its whole catch-up: a probe is
+        judged on its one step, read at an upper bound, so at what that step costs; where
+        even its whole tree accepted would not pay for the catch-up (a large batch, a
+        request far behind), it does not run."""
         classes = [temperature_class(t) for _, t in requests]
         no: dict[Any, set[str]] = {rid: set(v) for rid, v in (unavailable or {}).items()}
         built: dict[Any, dict[str, Trie]] = {}
@@ -396,7 +400,8 @@ class AutoPolicy:
         ]
         caught_up: dict[int, dict[int, Shape]] = {}  # behind -> the model trees' shapes
         for (rid, _), over in zip(requests, shapes):
-            late = min((behind or {}).get(rid, 0), TRUNK_LIMIT)
+            whole = (behind or {}).get(rid, 0)
+            late = min(whole, TRUNK_LIMIT)
             if late > 0:
                 if late not in caught_up:
                     caught_up[late] = {
@@ -405,6 +410,9 @@ class AutoPolicy:
                         if c.shape.draft_levels > 0
                     }
                 over.update(caught_up[late])
+            offer = self._offers.get(rid)  # a probe: its step's whole catch-up
+            if whole > late and offer is not None and index[offer] in over:
+                over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
         picks = choose(expected, self.candidates, self.cost_model, shapes)
         for (rid, _), c, cls in zip(requests, picks, classes):
             probed = self._probed.pop(rid, None)  # the request's last step was a probe:
