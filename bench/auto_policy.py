@@ -151,7 +151,8 @@ def summarize(results: list[dict]) -> dict:
 
 
 def plot(summary: dict, title: str, path: Path) -> None:
-    """Per cell: auto, the best and the worst fixed tree, as ratios to vLLM plain."""
+    """Per cell: auto, the best and the worst fixed tree and vLLM's best own method (where
+    the run had one), as ratios to vLLM plain."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,19 +163,25 @@ def plot(summary: dict, title: str, path: Path) -> None:
     cells = list(summary)
     x = range(len(cells))
     fig, ax = plt.subplots(figsize=(1.6 * len(cells) + 2, 4.5))
-    w = 0.27
-    for off, key, color, label in (
-        (-w, "worst_fixed_ratio", "tab:red", "worst fixed tree"),
-        (0.0, "best_fixed_ratio", "tab:blue", "best fixed tree"),
-        (w, "auto", "tab:green", "auto"),
-    ):
+    bars = [
+        ("worst_fixed_ratio", "tab:red", "worst fixed tree"),
+        ("best_fixed_ratio", "tab:blue", "best fixed tree"),
+        ("auto", "tab:green", "auto"),
+    ]
+    if all(summary[c].get("best_vllm_ratio") is not None for c in cells):
+        bars.append(("best_vllm_ratio", "tab:gray", "vLLM's best own method"))
+    w = 0.8 / len(bars)
+    for k, (key, color, label) in enumerate(bars):
+        off = (k - (len(bars) - 1) / 2) * w
         ax.bar([i + off for i in x], [summary[c][key] for c in cells], w, color=color, label=label)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set_xticks(list(x))
     ax.set_xticklabels(cells, rotation=20, fontsize=8)
     ax.set_ylabel("tokens/s over vLLM plain (median same-moment ratio)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    top = max(summary[c][key] for c in cells for key, _, _ in bars)
+    ax.set_ylim(0, top * 1.2)
+    ax.legend(fontsize=8, loc="upper center", ncol=len(bars))
     fig.tight_layout()
     save_figure(fig, path)
 
