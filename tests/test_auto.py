@@ -819,16 +819,16 @@ def test_record_sets_the_seconds_against_the_realised_shape():
 def test_probe_slots_and_back_off_pay_where_no_tree_pays_and_cost_nothing_where_trees_do():
     """``bench.auto_sim``: 50-step requests at SmolLM2's measured step cost, 400 steps.
     Where nothing is ever accepted: at 8 concurrent, one probe slot per class leaves auto
-    within 5% of no drafts, its first steps' trial of every tree included (per-request
-    probes: 0.93x); at batch 1 the back-off gives at least 2% more tokens/s than probing
-    every 8 steps. Where drafts are accepted (p = 0.9), auto keeps its gain over no
-    drafts, with or without back-off, within 2%."""
+    within 6% of no drafts, its first steps' trial of each of its 8 trees included (0.949
+    with 8, 0.95 with 7; per-request probes: 0.93x with 7); at batch 1 the back-off gives
+    at least 2% more tokens/s than probing every 8 steps. Where drafts are accepted
+    (p = 0.9), auto keeps its gain over no drafts, with or without back-off, within 2%."""
     from bench.auto_sim import SMOLLM2_EAGLE, simulate
 
     def run(p, batch, **kw):
         return simulate(p, batch, SMOLLM2_EAGLE, steps=400, **kw)
 
-    assert run(0.0, 8) >= 0.95
+    assert run(0.0, 8) >= 0.94
     assert run(0.0, 1) >= run(0.0, 1, max_backoff=0) + 0.02
     good, good_no_backoff = run(0.9, 8), run(0.9, 8, max_backoff=0)
     assert good > 1.2 and good >= 0.98 * good_no_backoff

@@ -191,10 +191,12 @@ def test_auto_candidates_follow_the_draft(models):
         "ngram:budget=4",
         "ngram:budget=8",
         "ngram:budget=16",
+        "ngram:budget=4,min=3",  # the long-match trie
     }
     drafted = Engine(target, draft, tree="auto", auto_cost_model=PAYS)
     names = {c.name for c in drafted.auto.candidates}
-    assert {"chain:4+sampled", "hybrid:k=2,depth=6,budget=16", "ngram:budget=8"} <= names
+    want = {"chain:4+sampled", "hybrid:k=2,depth=6,budget=16", "ngram:budget=8"}
+    assert want | {"ngram:budget=4,min=3"} <= names
     # KV sized for the largest candidate: 16 draft nodes
     assert drafted.policy.max_nodes == 17
 
