@@ -6,8 +6,11 @@ output position ``t`` the trie is built from ``prompt + output[:t]``, the step a
 the longest root-to-leaf path that matches ``output[t:]`` plus one bonus token. This
 replays every policy on the same recorded outputs in seconds, so n-gram ranges, budgets
 ranking rules and the cross-request history (``history=H``: requests replayed one after
-the other, each searching the ones before it) are compared on exactly the same text (the
-speed a tree of that size costs is the end-to-end benchmarks' business).
+the other, each searching the ones before it) are compared on exactly the same text.
+Besides tau: the share of steps that have a trie, the share of its drafts accepted, and
+the speedup at batch 1, 4 and 8 under a step-cost model ``a + b * rows`` (``--cost``;
+what each verify row costs decides whether a trie pays in a batch; the measured speed is
+the end-to-end benchmarks' business).
 
     python -m bench.trie_replay --model smollm2-135m [--prompts 50] [--max-tokens 128]
         [--policies "ngram:budget=8;ngram:budget=8,min=5,max=5"]
@@ -62,17 +65,35 @@ def replay(policy: NgramPolicy, prompt: list[int], output: list[int], history=No
     from tree_dev.proposer import ngram_trie
 
     ctx = list(prompt)
-    t, steps, per_depth = 0, 0, [0] * (policy.depth + 1)
+    t, steps, per_depth, drafts = 0, 0, [0] * (policy.depth + 1), []
     while t < len(output):
         tree, toks = ngram_trie(ctx, policy, history)
         n = accepted_length(tuple(tree.parents.tolist()), toks, output[t:])
         for d in range(1, n + 1):
             per_depth[d] += 1
+        drafts.append(tree.num_nodes - 1)
         step = min(n + 1, len(output) - t)  # the accepted drafts and the bonus token
         ctx.extend(output[t : t + step])
         t += step
         steps += 1
-    return {"steps": steps, "tokens": len(output), "accepted_per_depth": per_depth}
+    return {
+        "steps": steps,
+        "tokens": len(output),
+        "accepted_per_depth": per_depth,
+        "drafts_per_step": drafts,
+    }
+
+
+def batch_ratio(runs: list[dict], batch: int, a: float, b: float) -> float:
+    """Tokens/s of the replayed requests against plain decoding when each runs in a batch
+    of ``batch`` at a step cost of ``a + b * rows`` (seconds; a request's share of a step:
+    ``a / batch`` plus ``b`` per row it verifies, its root and its drafts): the trie's
+    speedup where a verify row costs what this cost model says, as at 4 or 8 concurrent
+    requests where a row is a large share of a step."""
+    tokens = sum(r["tokens"] for r in runs)
+    plain = tokens * (a / batch + b)
+    spent = sum(a / batch + b * (1 + n) for r in runs for n in r["drafts_per_step"])
+    return plain / spent
 
 
 def record_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, hf: bool):
@@ -116,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--policies", default=";".join(DEFAULT_POLICIES), help="';'-separated")
     ap.add_argument("--hf", action="store_true", help="record with HF generate, not vLLM")
+    ap.add_argument(
+        "--cost",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=(0.0358, 0.00163),
+        metavar="A,B",
+        help="step seconds a + b * rows for the batch ratios (default: the vLLM plugin's "
+        "fit on SmolLM2-135M with its EAGLE head, on the project's 2-core CPU)",
+    )
     ap.add_argument("--out", default=str(ROOT / "results" / "trie_replay.json"))
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
@@ -147,11 +176,32 @@ def main(argv: list[str] | None = None) -> int:
         steps = sum(r["steps"] for r in runs)
         tokens = sum(r["tokens"] for r in runs)
         per = [sum(r["accepted_per_depth"][d] for r in runs) / steps for d in range(1, 5)]
-        rows.append({"policy": pol.spec, "tau": tokens / steps, "acceptance_per_depth": per})
-        print(f"{pol.spec:40s} tau {tokens / steps:5.2f}  per depth {[round(x, 2) for x in per]}")
+        drafted = [n for r in runs for n in r["drafts_per_step"]]
+        accepted = tokens - steps  # every step's bonus token is not a draft
+        row = {
+            "policy": pol.spec,
+            "tau": tokens / steps,
+            "acceptance_per_depth": per,
+            "steps_with_a_trie": sum(n > 0 for n in drafted) / steps,
+            "accepted_per_draft": accepted / max(sum(drafted), 1),
+            "batch_ratio": {b: batch_ratio(runs, b, *args.cost) for b in (1, 4, 8)},
+        }
+        rows.append(row)
+        ratios = "  ".join(f"B{b} {x:.2f}x" for b, x in row["batch_ratio"].items())
+        print(
+            f"{pol.spec:40s} tau {tokens / steps:5.2f}  per depth {[round(x, 2) for x in per]}"
+            f"  trie on {row['steps_with_a_trie']:.2f} of steps, "
+            f"{row['accepted_per_draft']:.2f} of drafts accepted  {ratios}"
+        )
     atomic_write_json(
         Path(args.out),
-        {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "rows": rows},
+        {
+            "model": args.model,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "cost": args.cost,
+            "rows": rows,
+        },
     )
     return 0
 

@@ -79,3 +79,17 @@ def test_auto_choices_of_a_cell_are_the_counts_it_added():
     before = {"greedy": {"none": 3, "chain:2": 1}, "sampled": {"none": 5}}
     after = {"greedy": {"none": 3, "chain:2": 4, "ngram:budget=8": 2}, "sampled": {"none": 5}}
     assert choices_since(before, after) == {"greedy": {"chain:2": 3, "ngram:budget=8": 2}}
+
+
+def test_trie_replay_batch_ratio_by_hand():
+    """Two steps of one request: a 2-draft trie accepted whole (3 tokens), then no trie (1
+    token). At 10 ms a step and 1 ms a row, batch 1: plain 4 x 11 ms against 13 + 11 ms;
+    batch 8: plain 4 x 2.25 ms against 4.25 + 2.25 ms."""
+    from bench.trie_replay import batch_ratio
+
+    runs = [{"tokens": 4, "drafts_per_step": [2, 0]}]
+    assert batch_ratio(runs, 1, 0.010, 0.001) == pytest.approx(0.044 / 0.024)
+    assert batch_ratio(runs, 8, 0.010, 0.001) == pytest.approx(0.009 / 0.0065)
+    # a trie every step that is never accepted: only slower, the more so in a batch
+    waste = [{"tokens": 2, "drafts_per_step": [4, 4]}]
+    assert batch_ratio(waste, 8, 0.010, 0.001) < batch_ratio(waste, 1, 0.010, 0.001) < 1
