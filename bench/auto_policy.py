@@ -224,6 +224,11 @@ def main() -> None:
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
+    named = {"auto": any(c["name"].startswith("auto") for c in grid)}
+    named["fixed tree"] = any(c.get("fixed") for c in grid)
+    missing = [what for what, there in named.items() if not there]
+    if missing:  # the summary sets auto against the fixed trees: say so before any engine
+        raise SystemExit(f"--only {args.only!r} keeps no {' and no '.join(missing)}")
     for c in grid:
         if c.get("tree"):
             parse_tree_spec(c["tree"])  # a bad spec fails before any engine starts
