@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             history.add(p + o)
         steps = sum(r["steps"] for r in runs)
         tokens = sum(r["tokens"] for r in runs)
-        per = [sum(r["accepted_per_depth"][d] for r in runs) / steps for d in range(1, 5)]
+        deepest = min(4, pol.depth)  # the first four depths (fewer for a shallower trie)
+        per = [sum(r["accepted_per_depth"][d] for r in runs) / steps for d in range(1, deepest + 1)]
         drafted = [n for r in runs for n in r["drafts_per_step"]]
         accepted = tokens - steps  # every step's bonus token is not a draft
         row = {

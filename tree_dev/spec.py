@@ -145,9 +145,11 @@ class HybridPolicy:
 
 #: The n-gram trie of continuations of 3-token matches only (``AUTO_MODEL_CANDIDATES``,
 #: ``AUTO_TRIE_CANDIDATES``): it exists on fewer steps than a 1-to-3-token trie, and where
-#: it does it is right more often (SmolLM2's greedy outputs replayed, ``bench.trie_replay``:
-#: 0.64 of its drafts accepted against 0.31 for ``ngram:budget=8``), so it can pay in a
-#: batch of 8, where a verify row costs an eighth of a token. Its acceptance is learnt
+#: it does it is right more often (SmolLM2's greedy outputs replayed, ``python -m
+#: bench.trie_replay``: 0.57 of its drafts accepted against 0.14 for ``ngram:budget=8``),
+#: so it can pay in a batch of 8, where a verify row costs a quarter of a token's share of
+#: the step (inside vLLM, run whenever it matches: 0.98-1.10x vLLM plain in every cell of
+#: ``bench.auto_policy``, where ``ngram:budget=8`` is 0.63-1.04x). Its acceptance is learnt
 #: apart from the wider trie's, on the steps where it matches.
 AUTO_LONG_MATCH_TRIE = "ngram:budget=4,min=3"
 #: ``tree: auto``'s default candidates with a model draft (a draft LM or an EAGLE head):
