@@ -887,6 +887,33 @@ def test_a_model_tree_is_priced_with_its_catch_up():
     assert auto.with_catch_up(Shape(5, 4, 4), 300) == Shape(5, 6, 304)  # 2 chunks first
 
 
+def test_one_tries_failures_do_not_discount_another_trie():
+    """The wide trie (1-token matches) fails three steps running; the long-match trie's
+    expected tokens are what they were (each trie has its own drift factor: on
+    SmolLM2 a shared one left auto over tries at 0.76x vLLM plain at 8 concurrent greedy,
+    0.90x with its own), while the wide trie's fall. The model's trees share one."""
+    from tree_dev.auto import chooser
+
+    wide, long = "ngram:budget=8", "ngram:budget=4,min=3"
+    policy = AutoPolicy([wide, long, "chain:2", "chain:4"], CostModel(a=0.010, b=0.0, c=0.0, d=0.0))
+    names = [c.name for c in policy.candidates]
+
+    def row() -> dict:
+        return dict(zip(names, policy.expected_row("r", "greedy")))
+
+    before = row()
+    for _ in range(3):  # the wide trie alone can run
+        pick = policy.choose([("r", 0.0)], {"r": {"none", long, "chain:2", "chain:4"}})["r"]
+        assert pick.name == wide
+        policy.record([step_of("r", 8, 0)])
+    after = row()
+    assert after[long] == before[long]
+    assert after[wide] < before[wide]
+    key = chooser.drift_key
+    assert key(policy._by_name["chain:2"]) == key(policy._by_name["chain:4"]) == "model"
+    assert (key(policy._by_name[wide]), key(policy._by_name[long])) == (wide, long)
+
+
 def test_a_probe_pays_its_whole_catch_up():
     """By hand, the costs of the test above (none 10 ms, chain:4 16 ms plus 0.5 ms a
     catch-up row). chain:4 ran three steps and accepted nothing, so it reads 1 token and

@@ -201,6 +201,13 @@ class StepRecord(Protocol):
     accepted: list[int]  # accepted node ids, the root first
 
 
+def drift_key(c: Candidate) -> str | None:
+    """Whose drift factor scales candidate ``c`` (``AutoPolicy``): ``"model"`` for every
+    tree the draft model grows, a trie's own name, None for ``none``."""
+    source = draft_source(c)
+    return c.name if source == "trie" else source
+
+
 def draft_source(c: Candidate) -> str | None:
     """Where a candidate's drafts come from: ``"model"`` (it runs draft levels), ``"trie"``
     (an n-gram trie), None (``none``)."""
@@ -221,13 +228,15 @@ class StepOutcome(NamedTuple):
 class AutoPolicy:
     """``tree: auto`` for one engine: ``choose`` before a step, ``record`` after it.
 
-    Besides the tracker's per-candidate counts, each request keeps one **drift** factor per
-    draft source (``draft_source``: the model, the trie) and class: the decayed ratio of the
-    drafts it got accepted to the drafts the tracker expected (``drift_decay`` 0.7 per
-    observed step, at most 1), which scales every candidate of that source. The drafts of
-    all of a source's trees come from the same draft, so when it goes wrong for a request
-    (the text turned novel) every such tree is discounted within a few steps, not one
-    candidate at a time. Unobserved, the factor returns toward 1 (``drift_recover`` 0.9 per
+    Besides the tracker's per-candidate counts, each request keeps **drift** factors per
+    class: the decayed ratio of the drafts it got accepted to the drafts the tracker
+    expected (``drift_decay`` 0.7 per observed step, at most 1), one for all the draft
+    model's trees and one per trie (``drift_key``), which scales them. The model's trees
+    all draft from the same model, so when it goes wrong for a request (the text turned
+    novel) every such tree is discounted within a few steps, not one candidate at a time.
+    Tries of different match lengths are not one draft: a trie of 3-token matches is
+    right where one of 1-token matches is not, so the wide trie's failures do not
+    discount it. Unobserved, the factor returns toward 1 (``drift_recover`` 0.9 per
     request step), so probes find a draft that recovered; the evidence behind it fades as
     much, so an old failure does not weigh on the next step that is observed.
 
@@ -268,7 +277,7 @@ class AutoPolicy:
         self.candidates = make_candidates(candidates)
         self._by_name = {c.name: c for c in self.candidates}
         self._index = {c.name: j for j, c in enumerate(self.candidates)}
-        self._sources = [draft_source(c) for c in self.candidates]
+        self._drift_keys = [drift_key(c) for c in self.candidates]
         self.cost_model = cost_model
         self.tracker = tracker if tracker is not None else AcceptanceTracker()
         self.stats = AutoStats()
@@ -306,9 +315,9 @@ class AutoPolicy:
         offer = self.tracker.probe(req_id, cls, drafting) if probe else None
         if offer is not None:
             self._offers[req_id] = offer
-        drifts: dict[str, float] = {}  # per draft source: the same for all its candidates
+        drifts: dict[str, float] = {}  # per drift key: the model's is all its trees'
         row: list[float | None] = []
-        for c, source, ok in zip(self.candidates, self._sources, allowed):
+        for c, key, ok in zip(self.candidates, self._drift_keys, allowed):
             if not ok:
                 row.append(None)
                 continue
@@ -319,17 +328,17 @@ class AutoPolicy:
                 req_id, c.name, cls, depth, c.name == offer, reached
             )
             self._raw[req_id, c.name] = tokens - 1.0
-            if source is not None:
-                if source not in drifts:
-                    drifts[source] = self.drift(req_id, source, cls)
-                tokens = 1.0 + drifts[source] * (tokens - 1.0)
+            if key is not None:
+                if key not in drifts:
+                    drifts[key] = self.drift(req_id, key, cls)
+                tokens = 1.0 + drifts[key] * (tokens - 1.0)
             row.append(tokens)
         return row
 
-    def drift(self, req_id: Any, source: str, cls: str) -> float:
-        """The request's drift factor of ``source`` in class ``cls`` (see the class), in
-        [0, 1]; 1 when never observed."""
-        d = self._drift.get((req_id, source, cls))
+    def drift(self, req_id: Any, key: str, cls: str) -> float:
+        """The request's drift factor of ``key`` (``drift_key``) in class ``cls`` (see the
+        class), in [0, 1]; 1 when never observed."""
+        d = self._drift.get((req_id, key, cls))
         if d is None or d[1] <= 0:
             return 1.0
         ratio = min(d[0] / d[1], 1.0)
@@ -456,9 +465,9 @@ class AutoPolicy:
             accepted = len(s.accepted) - 1  # the root is not a draft
             self.tracker.observe(s.req_id, cand.name, cls, s.max_depth, accepted, cand.depth)
             now = self._req_step[s.req_id] = self._req_step.get(s.req_id, 0) + 1
-            source, expected = draft_source(cand), self._raw.get((s.req_id, cand.name), 0.0)
-            if source is not None and expected > 0:
-                d = self._drift.setdefault((s.req_id, source, cls), [0.0, 0.0, now])
+            key, expected = drift_key(cand), self._raw.get((s.req_id, cand.name), 0.0)
+            if key is not None and expected > 0:
+                d = self._drift.setdefault((s.req_id, key, cls), [0.0, 0.0, now])
                 # old evidence fades with the steps it went unobserved, as the factor does
                 k = self.drift_decay * self.drift_recover ** max(now - int(d[2]) - 1, 0)
                 d[:] = [k * d[0] + accepted, k * d[1] + expected, now]
