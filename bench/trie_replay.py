@@ -12,8 +12,14 @@ the speedup at batch 1, 4 and 8 under a step-cost model ``a + b * rows`` (``--co
 what each verify row costs decides whether a trie pays in a batch; the measured speed is
 the end-to-end benchmarks' business).
 
+``--auto`` also replays ``tree: auto`` over the trie candidates (``AUTO_TRIE_CANDIDATES``)
+as the engines run it (``step_tries``, ``choose``, ``record`` with each step's seconds),
+batch 1, 4 and 8 requests in lockstep, each replaced by the next when it ends, beside
+each candidate fixed in the same lockstep: how close the chooser comes to the best trie
+of a batch size, on greedy text and a known cost, without the engines' noise.
+
     python -m bench.trie_replay --model smollm2-135m [--prompts 50] [--max-tokens 128]
-        [--policies "ngram:budget=8;ngram:budget=8,min=5,max=5"]
+        [--policies "ngram:budget=8;ngram:budget=8,min=5,max=5"] [--auto]
 
 The greedy outputs come from vLLM's plain decoding (eager; or HF ``generate`` with
 ``--hf``), recorded once per model / prompts / length in ``results/greedy_<model>.json``
@@ -96,6 +102,122 @@ def batch_ratio(runs: list[dict], batch: int, a: float, b: float) -> float:
     return plain / spent
 
 
+class _Fixed:
+    """One trie policy on every step (``replay_batch``'s ``planner``)."""
+
+    def __init__(self, policy: NgramPolicy):
+        self.policy, self.name = policy, policy.spec
+
+    def plan(self, contexts: dict[int, list[int]]) -> dict[int, tuple[str, object | None]]:
+        from tree_dev.auto.shapes import Trie
+        from tree_dev.proposer import has_ngram_match, ngram_trie
+
+        return {
+            r: (self.name, Trie(*ngram_trie(c, self.policy)))
+            if has_ngram_match(c, self.policy)
+            else ("none", None)
+            for r, c in contexts.items()
+        }
+
+    def record(self, outcomes, seconds: float, rows: int) -> None:
+        pass
+
+    def forget(self, rid: int) -> None:
+        pass
+
+
+class _Auto:
+    """``tree: auto`` over trie candidates, as the engines run it (``replay_batch``'s
+    ``planner``): ``step_tries``, ``choose``, ``record`` with the step's seconds."""
+
+    def __init__(self, candidates, cost):
+        from tree_dev.auto import AutoPolicy, CostModel
+
+        self.name = "auto"
+        self.auto = AutoPolicy(candidates, CostModel(a=cost[0], b=cost[1], c=0.0, d=0.0))
+
+    def plan(self, contexts: dict[int, list[int]]) -> dict[int, tuple[str, object | None]]:
+        tries = {r: self.auto.step_tries(r, c) for r, c in contexts.items()}
+        picks = self.auto.choose([(r, 0.0) for r in contexts], tries=tries)
+        return {r: (c.name, tries[r].get(c.name)) for r, c in picks.items()}
+
+    def record(self, outcomes, seconds: float, rows: int) -> None:
+        from tree_dev.auto import Shape
+
+        self.auto.record(outcomes, seconds, Shape(rows, 0, 0))
+
+    def forget(self, rid: int) -> None:
+        self.auto.forget(rid)
+
+
+def replay_batch(
+    planner: _Fixed | _Auto,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    batch: int,
+    cost: tuple[float, float],
+) -> dict:
+    """Greedy requests replayed ``batch`` at a time in lockstep, each replaced by the next
+    when it ends, as a server runs them: per step the ``planner`` gives each request a
+    trie (or none), the step costs ``a + b * rows`` seconds and each request advances by
+    the drafts its truth accepts plus one. Returns tokens, seconds, the ratio to plain
+    decoding in the same lockstep and, per trie name, the steps it ran and their drafts
+    accepted."""
+    from tree_dev.auto import StepOutcome
+
+    a, b = cost
+    todo = list(range(len(prompts)))[::-1]
+    pos: dict[int, int] = {}
+    tokens = seconds = 0.0
+    ran: dict[str, list[int]] = {}
+    while todo or pos:
+        while todo and len(pos) < batch:
+            pos[todo.pop()] = 0
+        ctx = {r: list(prompts[r]) + list(outputs[r][:t]) for r, t in pos.items()}
+        plan = planner.plan(ctx)
+        rows, outcomes = 0, []
+        for r, (name, trie) in plan.items():
+            t = pos[r]
+            n = (
+                0
+                if trie is None
+                else accepted_length(tuple(trie.tree.parents.tolist()), trie.tokens, outputs[r][t:])
+            )
+            rows += 1 if trie is None else trie.tree.num_nodes
+            depth = 0 if trie is None else trie.tree.max_depth
+            outcomes.append(StepOutcome(r, depth, list(range(n + 1))))
+            step = min(n + 1, len(outputs[r]) - t)
+            tokens += step
+            pos[r] = t + step
+            got = ran.setdefault(name, [0, 0])
+            got[0], got[1] = got[0] + 1, got[1] + n
+        sec = a + b * rows
+        seconds += sec
+        planner.record(outcomes, sec, rows)
+        for r in [r for r, t in pos.items() if t >= len(outputs[r])]:
+            del pos[r]
+            planner.forget(r)
+    plain_steps = _plain_steps([len(o) for o in outputs], batch)
+    plain = sum(a + b * k for k in plain_steps)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "ratio": (tokens / seconds) / (sum(len(o) for o in outputs) / plain),
+        "ran": {k: {"steps": v[0], "accepted": v[1]} for k, v in sorted(ran.items())},
+    }
+
+
+def _plain_steps(lengths: list[int], batch: int) -> list[int]:
+    """The requests per step of plain decoding, ``batch`` at a time in lockstep."""
+    todo, left, out = lengths[::-1], [], []
+    while todo or left:
+        while todo and len(left) < batch:
+            left.append(todo.pop())
+        out.append(len(left))
+        left = [n - 1 for n in left if n > 1]
+    return out
+
+
 def record_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int, hf: bool):
     """The target's plain greedy outputs (vLLM eager, or HF ``generate``)."""
     if hf:
@@ -144,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="A,B",
         help="step seconds a + b * rows for the batch ratios (default: the vLLM plugin's "
         "fit on SmolLM2-135M with its EAGLE head, on the project's 2-core CPU)",
+    )
+    ap.add_argument(
+        "--auto",
+        action="store_true",
+        help="also replay batch 1/4/8 in lockstep: tree: auto over the trie candidates "
+        "against each of them fixed",
     )
     ap.add_argument("--out", default=str(ROOT / "results" / "trie_replay.json"))
     args = ap.parse_args(argv)
@@ -194,6 +322,24 @@ def main(argv: list[str] | None = None) -> int:
             f"  trie on {row['steps_with_a_trie']:.2f} of steps, "
             f"{row['accepted_per_draft']:.2f} of drafts accepted  {ratios}"
         )
+    lockstep = {}
+    if args.auto:
+        from tqdm import tqdm
+
+        from tree_dev.spec import AUTO_TRIE_CANDIDATES
+
+        cells = [(b, name) for b in (1, 4, 8) for name in ("auto", *AUTO_TRIE_CANDIDATES)]
+        for b, name in tqdm(cells, desc="lockstep replays"):
+            planner = (
+                _Auto(AUTO_TRIE_CANDIDATES, args.cost)
+                if name == "auto"
+                else _Fixed(parse_tree_spec(name))
+            )
+            lockstep.setdefault(b, {})[name] = replay_batch(planner, prompts, outputs, b, args.cost)
+        for b, got in lockstep.items():
+            line = "  ".join(f"{n} {r['ratio']:.2f}x" for n, r in got.items())
+            print(f"lockstep B{b}: {line}")
+            print(f"  auto ran: {got['auto']['ran']}")
     atomic_write_json(
         Path(args.out),
         {
@@ -202,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "cost": args.cost,
             "rows": rows,
+            "lockstep": lockstep,
         },
     )
     return 0

@@ -93,3 +93,38 @@ def test_trie_replay_batch_ratio_by_hand():
     # a trie every step that is never accepted: only slower, the more so in a batch
     waste = [{"tokens": 2, "drafts_per_step": [4, 4]}]
     assert batch_ratio(waste, 8, 0.010, 0.001) < batch_ratio(waste, 1, 0.010, 0.001) < 1
+
+
+def test_trie_replay_plain_lockstep_by_hand():
+    """Requests of 3, 1 and 2 tokens, 2 at a time: steps of 2, 2 and 2 requests (the
+    third joins when the second ends)."""
+    from bench.trie_replay import _plain_steps
+
+    assert _plain_steps([3, 1, 2], 2) == [2, 2, 2]
+    assert _plain_steps([3, 1, 2], 1) == [1] * 6
+
+
+def test_trie_replay_lockstep_agrees_with_the_sequential_replay():
+    """A fixed trie replayed 3 requests at a time takes each request through the same
+    steps as replaying it alone (``replay``), and a planner that never drafts is plain
+    decoding exactly (ratio 1)."""
+    from bench.trie_replay import _Fixed, replay, replay_batch
+    from tree_dev.spec import parse_tree_spec
+
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4], [7, 8, 9], [1, 1, 1, 1]]
+    outputs = [[3, 1, 2, 3, 1, 2, 9], [5, 4, 5, 4, 6], [7, 8, 9, 7, 8], [1, 1, 2, 1]]
+    pol = parse_tree_spec("ngram:budget=4")
+    alone = [replay(pol, p, o) for p, o in zip(prompts, outputs)]
+    got = replay_batch(_Fixed(pol), prompts, outputs, 3, (0.010, 0.001))
+    steps = sum(v["steps"] for v in got["ran"].values())
+    assert steps == sum(r["steps"] for r in alone)
+    assert got["ran"][pol.spec]["accepted"] == sum(sum(r["accepted_per_depth"]) for r in alone)
+    assert got["tokens"] == sum(map(len, outputs))
+
+    class Never(_Fixed):
+        def plan(self, contexts):
+            return {r: ("none", None) for r in contexts}
+
+    plain = replay_batch(Never(pol), prompts, outputs, 3, (0.010, 0.001))
+    assert plain["ratio"] == pytest.approx(1.0)
+    assert got["ratio"] > 1.0  # these texts repeat: the trie pays
