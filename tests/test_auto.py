@@ -979,3 +979,30 @@ def test_vllm_refit_counts_a_model_trees_catch_up():
     va.on_step_event(SimpleNamespace(requests=[tree]))  # "b": vLLM verified no tree
     va.step_done()
     assert list(va.samples)[-1][0] == Shape(3 + 1, 2, 2 + 5)
+
+
+def test_a_probed_trie_keeps_its_own_nodes_far_behind(monkeypatch):
+    """A request far behind in its draft whose probe slot offers a trie: the trie is
+    priced at the nodes it has (3 rows), as when not probed; only a model tree's probe
+    pays the catch-up (it used to be repriced at the trie's whole budget, 9 rows)."""
+    from tree_dev.auto import chooser
+
+    seen = []
+    real = chooser.choose
+
+    def spy(expected, candidates, cost_model, shapes=None):
+        seen.append((list(candidates), shapes))
+        return real(expected, candidates, cost_model, shapes)
+
+    monkeypatch.setattr(chooser, "choose", spy)
+    tracker = AcceptanceTracker(probe_every=1, max_backoff=0)
+    policy = AutoPolicy(["chain:4", "ngram:budget=8"], CostModel(**COLLAPSE), tracker)
+    monkeypatch.setattr(tracker, "probe", lambda rid, cls, names: "ngram:budget=8")
+    trie = auto.step_tries([5, 6, 7, 5], policy.candidates)["ngram:budget=8"]
+    assert trie.tree.num_nodes == 4
+    policy.choose([("r", 0.0)], tries={"r": {"ngram:budget=8": trie}}, behind={"r": 100})
+    cands, shapes = seen[-1]
+    j = [c.name for c in cands].index("ngram:budget=8")
+    assert shapes[0][j] == Shape(4, 0, 0)
+    k = [c.name for c in cands].index("chain:4")  # the model tree: 32 rows of catch-up
+    assert shapes[0][k] == auto.with_catch_up(Shape(5, 4, 4), 32)

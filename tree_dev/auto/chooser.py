@@ -419,8 +419,8 @@ class AutoPolicy:
                         if c.shape.draft_levels > 0
                     }
                 over.update(caught_up[late])
-            offer = self._offers.get(rid)  # a probe: its step's whole catch-up
-            if whole > late and offer is not None and index[offer] in over:
+            offer = self._offers.get(rid)  # a probe of a model tree: its whole catch-up
+            if whole > late and offer is not None and index[offer] in caught_up[late]:
                 over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
         picks = choose(expected, self.candidates, self.cost_model, shapes)
         for (rid, _), c, cls in zip(requests, picks, classes):
