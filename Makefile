@@ -38,9 +38,14 @@ test: setup
 	$(PY) -m pytest -q -m "not full and not gpu and not neuron" -p no:cacheprovider --durations=10
 
 # Everything but the hardware tiers: every vLLM module, the real model (< 35 minutes).
+# Two pytest-xdist workers (TEST_WORKERS=0: none): the suite's torch runs one thread, so
+# the local engine's and the kernels' tests use one core each; every vLLM module runs in
+# one worker, in order (tests/conftest.py, xdist_group).
+TEST_WORKERS ?= 2
 test-all: setup
 	$(PY) -m tree_dev.models fetch smollm2-135m
-	$(PY) -m pytest -q -m "not gpu and not neuron" -p no:cacheprovider --durations=25
+	$(PY) -m pytest -q -m "not gpu and not neuron" -p no:cacheprovider --durations=25 \
+	  -n $(TEST_WORKERS)
 
 lint: setup
 	$(PY) -m ruff check .

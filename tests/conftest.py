@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,10 @@ if not torch.cuda.is_available():
 # tree: auto's measured cost models go to a directory of this session (engine processes
 # inherit it), never into the user's ~/.cache
 os.environ["TREESPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="treespec-test-cache-")
+# under pytest-xdist (make test-all runs two workers), each worker's vLLM engines compile
+# into a cache of their own: two workers never write one torch.compile cache at once
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-test-cache-")
 
 # The suite is dominated by small ops (tiny models, interpreter/executor kernels),
 # where intra-op threads cost more in synchronisation than they win: measured
@@ -110,6 +115,32 @@ FAST_TIER_ENGINE_STARTS = 1  # make test: the one vLLM smoke
 
 def _fast_tier(config) -> bool:
     return "not full" in (config.option.markexpr or "")
+
+
+@functools.cache
+def xdist_group(path: Path) -> str:
+    """The pytest-xdist work unit of a test module (``make test-all`` runs two workers;
+    ``pytest_xdist_make_scheduler``): the modules whose engines run with only the
+    accuracy plugin (``_vllm_accuracy_helpers``) are one unit, every other module its
+    own. A unit runs in one worker, and units are handed out in collection order, so the
+    accuracy unit comes before any other vLLM module in its worker: vLLM loads a
+    process's general plugins once, at its first engine, and the accuracy engines' front
+    end must not have the tree plugin's config checks. The other vLLM modules load the
+    tree plugin themselves (``vllm_engines.make_llm``), whatever ran before them."""
+    return "vllm-accuracy" if "_vllm_accuracy_helpers" in path.read_text() else path.name
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler by ``xdist_group`` (its own ``--dist loadgroup`` marks do
+    not group under pytest 9.2, which no longer reads the node id it rewrites)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(Path(config.rootpath, nodeid.split("::", 1)[0]))
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -138,8 +138,9 @@ def test_draft_slots():
 def test_engine_start_up_refuses_a_mismatch():
     """Through ``LLM(...)``: the check runs where vLLM builds its config, before any load."""
     from vllm import LLM
-    from vllm_engines import DRAFT, TARGET
+    from vllm_engines import DRAFT, TARGET, load_tree_plugin
 
+    load_tree_plugin()  # as vLLM does at this process's first engine, if it is the first
     with pytest.raises(ValueError, match="num_speculative_tokens=4"):
         LLM(
             model=TARGET,

@@ -43,8 +43,20 @@ def max_tokens_for(i: int) -> int:
     return (24, 64, 40, 96, 32, 56, 80, 48)[i % 8]
 
 
+def load_tree_plugin() -> None:
+    """The tree plugin in this process (its hooks, its EAGLE architecture), as vLLM loads
+    it at a process's first engine when ``VLLM_PLUGINS`` is not narrowed; vLLM does that
+    once, so a test process whose first engine ran with only the accuracy plugin would
+    otherwise lack it (``register`` is idempotent and inert without a ``treespec`` key)."""
+    from tree_dev.vllm_plugin import register
+
+    register()
+
+
 def make_llm(enforce_eager: bool = True, **kw):
     from vllm import LLM
+
+    load_tree_plugin()
 
     args = dict(
         model=TARGET,
@@ -63,6 +75,8 @@ def real_model_llm(model_dir, **kw):
     start-up is minutes on a 30-layer model here), 512 tokens, 8 sequences, seed 0, stats
     logged; ``kw`` adds or overrides ``LLM`` arguments."""
     from vllm import LLM
+
+    load_tree_plugin()
 
     args = dict(
         model=str(model_dir),
