@@ -163,6 +163,10 @@ def pytest_sessionfinish(session, exitstatus):
     an engine to ``make test`` fails the run, naming where the engines started."""
     from tree_dev.testing import VLLM_SERVER_STARTS
 
+    out = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: to the
+    if out is not None:  # controller, which reports them (pytest_testnodedown)
+        out["treespec_engine_starts"] = list(ENGINE_STARTS)
+        out["treespec_server_starts"] = list(VLLM_SERVER_STARTS)
     starts = len(ENGINE_STARTS) + len(VLLM_SERVER_STARTS)
     if _fast_tier(session.config) and starts > FAST_TIER_ENGINE_STARTS and exitstatus == 0:
         session.config._treespec_tier_error = (
@@ -170,6 +174,16 @@ def pytest_sessionfinish(session, exitstatus):
             f" {ENGINE_STARTS + VLLM_SERVER_STARTS}; mark the new ones full"
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
+def pytest_testnodedown(node, error):
+    """A pytest-xdist worker ended: its engine start-ups join the controller's report."""
+    from tree_dev.testing import VLLM_SERVER_STARTS
+
+    out = getattr(node, "workeroutput", {})
+    ENGINE_STARTS.extend(out.get("treespec_engine_starts", ()))
+    VLLM_SERVER_STARTS.extend(out.get("treespec_server_starts", ()))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -13,9 +13,9 @@ FAST = "not full and not gpu and not neuron"
 ALL = "not gpu and not neuron"
 
 
-def _pytest(markexpr: str, probe: str) -> subprocess.CompletedProcess:
+def _pytest(markexpr: str, probe: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", markexpr]
-    cmd.append(f"tests/probes/{probe}")
+    cmd += [*extra, f"tests/probes/{probe}"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -34,3 +34,11 @@ def test_a_real_model_test_without_the_full_mark_is_refused_by_name():
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
     out = run.stdout + run.stderr
     assert "must be marked full" in out and "test_asks_for_the_real_model_unmarked" in out
+
+
+def test_engine_start_ups_are_reported_from_xdist_workers():
+    """``make test-all`` runs two pytest-xdist workers: the start-ups they record reach
+    the controller's report (a worker's own report is never shown)."""
+    run = _pytest(ALL, "tier_engines.py", "-n", "2")
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "0 in-process (vllm.LLM), 2 server processes" in run.stdout
