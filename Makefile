@@ -37,7 +37,7 @@ kernels: setup
 test: setup
 	$(PY) -m pytest -q -m "not full and not gpu and not neuron" -p no:cacheprovider --durations=10
 
-# Everything but the hardware tiers: every vLLM module, the real model (< 35 minutes).
+# Everything but the hardware tiers: every vLLM module, the real model (< 30 minutes).
 # Two pytest-xdist workers (TEST_WORKERS=0: none): the suite's torch runs one thread, so
 # the local engine's and the kernels' tests use one core each; every vLLM module runs in
 # one worker, in order (tests/conftest.py, xdist_group).
