@@ -109,21 +109,17 @@ class _Fixed:
         self.policy, self.name = policy, policy.spec
 
     def plan(self, contexts: dict[int, list[int]]) -> dict[int, tuple[str, object | None]]:
-        from tree_dev.auto.shapes import Trie
-        from tree_dev.proposer import has_ngram_match, ngram_trie
+        from tree_dev.auto.shapes import Candidate, step_tries
 
-        return {
-            r: (self.name, Trie(*ngram_trie(c, self.policy)))
-            if has_ngram_match(c, self.policy)
-            else ("none", None)
-            for r, c in contexts.items()
-        }
+        cand = [Candidate(self.policy)]
+        tries = {r: step_tries(c, cand)[cand[0].name] for r, c in contexts.items()}
+        return {r: ("none", None) if t is None else (self.name, t) for r, t in tries.items()}
 
     def record(self, outcomes, seconds: float, rows: int) -> None:
-        pass
+        """A fixed trie learns nothing from a step."""
 
     def forget(self, rid: int) -> None:
-        pass
+        """A fixed trie keeps nothing per request."""
 
 
 class _Auto:
