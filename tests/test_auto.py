@@ -1006,3 +1006,34 @@ def test_a_probed_trie_keeps_its_own_nodes_far_behind(monkeypatch):
     assert shapes[0][j] == Shape(4, 0, 0)
     k = [c.name for c in cands].index("chain:4")  # the model tree: 32 rows of catch-up
     assert shapes[0][k] == auto.with_catch_up(Shape(5, 4, 4), 32)
+
+
+def test_vllm_refit_waits_for_distinct_shapes_among_the_kept_samples(tmp_path, monkeypatch):
+    """The online refit needs ``MIN_SHAPES`` distinct shapes among the last ``KEEP`` timed
+    steps (counted as they come and go, not rescanned each step): shapes that fell out of
+    the window do not count, and a fourth distinct shape in it triggers the fit."""
+    from tree_dev.spec import parse_tree_spec
+    from tree_dev.vllm_plugin import auto_choice
+
+    monkeypatch.setattr(auto_choice, "KEEP", 8)
+    monkeypatch.setattr(auto_choice, "REFIT_EVERY", 2)
+    policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
+    va = auto_choice.VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
+    fits = []
+    monkeypatch.setattr(va, "_fit", lambda: fits.append(len(va.samples)))
+
+    def timed(rows: int) -> None:
+        va._keep_sample(Shape(rows, 0, 0), 0.01 * rows)
+        va._since_fit += 1
+        va._maybe_refit()
+
+    for rows in (1, 2, 3):  # three distinct shapes, then six repeats push the 1 out
+        timed(rows)
+    for _ in range(6):
+        timed(3)
+    assert [s.verify_rows for s, _ in va.samples] == [2, 3, 3, 3, 3, 3, 3, 3]
+    timed(4)  # {3, 4}: the 2 fell out (counted forever, {1, 2, 3, 4} would fit here)
+    timed(5)  # {3, 4, 5}
+    assert fits == []
+    timed(6)  # {3, 4, 5, 6}
+    assert fits == [8]

@@ -266,33 +266,6 @@ def tree_of(parents: tuple[int, ...]) -> TokenTree:
 SEPARATOR = -1  # between the streams of an ``NgramHistory``: matches nothing, ends a path
 
 
-def has_ngram_match(context: Sequence[int], policy: NgramPolicy) -> bool:
-    """Whether ``ngram_trie(context, policy)`` (no history) has a node besides the root:
-    the context's last ``policy.min_n`` tokens occur earlier with a token after them.
-    Cheap (C-level ``list.index`` scans): ``tree: auto`` asks it of every request before
-    choosing, so a trie that would find nothing is not offered.
-
-    >>> p = NgramPolicy(budget=4, spec="ngram:budget=4")
-    >>> has_ngram_match([5, 6, 7, 5], p), has_ngram_match([5, 6, 7, 8], p)
-    (True, False)
-    """
-    ctx = context if isinstance(context, list) else list(context)
-    n = max(int(policy.min_n), 1)
-    last = len(ctx) - n  # the suffix itself starts here; a match starts before it
-    if last <= 0 or policy.max_n < 1:
-        return False
-    suffix = ctx[last:]
-    start = 0
-    while True:
-        try:
-            j = ctx.index(suffix[0], start, last)
-        except ValueError:
-            return False
-        if ctx[j : j + n] == suffix:
-            return True
-        start = j + 1
-
-
 def ngram_matches(context: Sequence[int], policy: NgramPolicy) -> list[tuple[int, int]]:
     """The n-gram matches of the context's suffix, best first.
 
@@ -305,28 +278,38 @@ def ngram_matches(context: Sequence[int], policy: NgramPolicy) -> list[tuple[int
     Returns:
         ``[(j, n), ...]``: continuation start and match length.
     """
-    arr = np.asarray(context, dtype=np.int64)
+    return _rank_matches(_match_scan(np.asarray(context, dtype=np.int64), policy.max_n), policy)
+
+
+def _match_scan(arr: np.ndarray, max_n: int) -> tuple[list[int], list[int]]:
+    """Every match of the suffix of ``arr`` (``[L]`` int64) of length 1 to ``max_n``:
+    continuation starts and match lengths, unranked (``_rank_matches`` filters and ranks
+    them per policy; one scan serves every policy of the same ``max_n``)."""
     L = arr.shape[0]
-    if L < 2 or policy.max_n < 1:
-        return []
+    if L < 2 or max_n < 1:
+        return [], []
     # a match ends at e <= L - 2 with arr[e] == the last token; its length is how far
     # arr[..e] and arr[..L-1] agree backwards, capped at max_n (and at e + 1)
     ends = np.nonzero(arr[: L - 1] == arr[L - 1])[0]
     if arr[L - 1] == SEPARATOR or ends.size == 0:
-        return []
+        return [], []
     length = np.ones(ends.shape, dtype=np.int64)
     alive = np.ones(ends.shape, dtype=bool)
-    for k in range(1, min(policy.max_n, L - 1)):
+    for k in range(1, min(max_n, L - 1)):
         back = ends - k
         alive &= back >= 0
         alive &= arr[np.maximum(back, 0)] == arr[L - 1 - k]
         if not alive.any():
             break
         length += alive
-    keep = length >= policy.min_n
-    starts, length = (ends[keep] + 1).tolist(), length[keep].tolist()
-    ranked = sorted(zip(starts, length), key=lambda jn: (-jn[1], -jn[0]))
-    return ranked[: policy.matches]
+    return (ends + 1).tolist(), length.tolist()
+
+
+def _rank_matches(scan: tuple[list[int], list[int]], policy: NgramPolicy) -> list[tuple[int, int]]:
+    """``ngram_matches`` from a ``_match_scan`` of ``policy.max_n``."""
+    kept = [(j, n) for j, n in zip(*scan) if n >= policy.min_n]
+    kept.sort(key=lambda jn: (-jn[1], -jn[0]))
+    return kept[: policy.matches]
 
 
 class NgramHistory:
@@ -396,44 +379,104 @@ def ngram_trie(
         ``tree`` (breadth-first, node 0 = root, at most ``budget`` draft nodes) and
         ``tokens`` per node (``tokens[0] = context[-1]``).
     """
-    if not isinstance(policy, NgramPolicy):
-        raise ValueError(f"policy must be an NgramPolicy, got {type(policy).__name__}")
+    return ngram_tries(context, [policy], history)[0]
+
+
+def ngram_tries(
+    context: Sequence[int],
+    policies: Sequence[NgramPolicy],
+    history: NgramHistory | None = None,
+) -> list[tuple[TokenTree, list[int]]]:
+    """``ngram_trie`` of every policy in ``policies`` for one context, sharing the work:
+    one match scan per ``max_n``, and one trie per distinct set of ranked matches (tries
+    of several budgets; a long-match trie where the context has enough long matches)
+    grown to the deepest such policy's ``depth``, then cut per policy to its depth and
+    budget.
+
+    Exact: a node's rank keys (longest match, count, first match, depth) do not depend
+    on how deep the other paths grow, and insertion order among the nodes of depth
+    ``<= d`` is the same in a trie grown deeper, so the cut equals the trie grown to
+    ``d`` (``test_ngram_tries_equal_one_trie_at_a_time``).
+
+    >>> from tree_dev.spec import parse_tree_spec
+    >>> pols = [parse_tree_spec("ngram:budget=2"), parse_tree_spec("ngram:budget=8")]
+    >>> [toks for _, toks in ngram_tries([5, 6, 7, 5], pols)]
+    [[5, 6, 7], [5, 6, 7, 5]]
+    """
+    for policy in policies:
+        if not isinstance(policy, NgramPolicy):
+            raise ValueError(f"policy must be an NgramPolicy, got {type(policy).__name__}")
     if len(context) == 0:
         raise ValueError("ngram_trie: empty context (the root token is its last element)")
-    ctx = list(map(int, context))
+    ctx = context if isinstance(context, list) else list(context)  # ints out: ``cut``
     if history is not None and len(history):
         ctx = history.tokens() + [SEPARATOR] + ctx
-    nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node (trie ids, 1-based)
-    parent, token, depth = [-1], [ctx[-1]], [0]
-    count, longest, rank = [0], [0], [0]
-    for r, (j, n) in enumerate(ngram_matches(ctx, policy)):
-        cur = 0
-        for t in ctx[j : j + policy.depth]:
-            if t == SEPARATOR:
-                break
-            nxt = nodes.get((cur, t))
-            if nxt is None:
-                nxt = nodes[(cur, t)] = len(token)
-                parent.append(cur)
-                token.append(t)
-                depth.append(depth[cur] + 1)
-                count.append(0)
-                longest.append(n)
-                rank.append(r)
-            count[nxt] += 1
-            cur = nxt
-    ranked = sorted(
-        range(1, len(token)), key=lambda i: (-longest[i], -count[i], rank[i], depth[i], i)
-    )
-    pos = {i: p for p, i in enumerate(ranked)}
-    keep = sorted(ranked[: policy.budget], key=lambda i: (depth[i], pos[i]))
-    index = {0: 0}
-    parents, tokens = [-1], [ctx[-1]]
-    for i in keep:
-        index[i] = len(parents)
-        parents.append(index[parent[i]])
-        tokens.append(token[i])
-    return tree_of(tuple(parents)), tokens
+    arr = np.asarray(ctx, dtype=np.int64)
+    scans: dict[int, tuple[list[int], list[int]]] = {}
+    ranked = []  # per policy, its matches: policies whose matches are equal share a trie
+    for policy in policies:
+        if policy.max_n not in scans:
+            scans[policy.max_n] = _match_scan(arr, policy.max_n)
+        ranked.append(tuple(_rank_matches(scans[policy.max_n], policy)))
+    depth: dict[tuple[tuple[int, int], ...], int] = {}
+    for policy, matches in zip(policies, ranked):
+        depth[matches] = max(depth.get(matches, 0), policy.depth)
+    grown = {m: _TrieNodes(ctx, m, d) for m, d in depth.items()}
+    return [grown[m].cut(p.budget, p.depth) for p, m in zip(policies, ranked)]
+
+
+class _TrieNodes:
+    """The trie of ``matches``' continuations of ``ctx`` up to ``depth`` tokens each,
+    its nodes ranked (``ngram_trie``); ``cut`` keeps a budget of them to a depth."""
+
+    def __init__(self, ctx: list[int], matches: Sequence[tuple[int, int]], depth: int):
+        # matches with the same continuation (a context that loops) add one path: walk
+        # it once, at its first (best-ranked) match, counting every match through it
+        paths: dict[tuple[int, ...], list[int]] = {}  # continuation -> [first r, n, matches]
+        for r, (j, n) in enumerate(matches):
+            cont = tuple(ctx[j : j + depth])
+            seen = paths.get(cont)
+            if seen is None:
+                paths[cont] = [r, n, 1]
+            else:
+                seen[2] += 1
+        nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node (1-based)
+        parent, token, level = [-1], [ctx[-1]], [0]
+        count, longest, rank = [0], [0], [0]
+        for cont, (r, n, weight) in paths.items():
+            cur = 0
+            for t in cont:
+                if t == SEPARATOR:
+                    break
+                nxt = nodes.get((cur, t))
+                if nxt is None:
+                    nxt = nodes[(cur, t)] = len(token)
+                    parent.append(cur)
+                    token.append(t)
+                    level.append(level[cur] + 1)
+                    count.append(0)
+                    longest.append(n)
+                    rank.append(r)
+                count[nxt] += weight
+                cur = nxt
+        self.parent, self.token, self.level = parent, token, level
+        self.ranked = sorted(
+            range(1, len(token)), key=lambda i: (-longest[i], -count[i], rank[i], level[i], i)
+        )
+
+    def cut(self, budget: int, depth: int) -> tuple[TokenTree, list[int]]:
+        """The best ``budget`` nodes of depth at most ``depth``, breadth-first."""
+        level = self.level
+        ranked = [i for i in self.ranked if level[i] <= depth]
+        pos = {i: p for p, i in enumerate(ranked)}
+        keep = sorted(ranked[:budget], key=lambda i: (level[i], pos[i]))
+        index = {0: 0}
+        parents, tokens = [-1], [int(self.token[0])]
+        for i in keep:
+            index[i] = len(parents)
+            parents.append(index[self.parent[i]])
+            tokens.append(int(self.token[i]))
+        return tree_of(tuple(parents)), tokens
 
 
 # --------------------------------------------------------------------------- hybrid

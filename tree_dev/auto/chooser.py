@@ -373,7 +373,7 @@ class AutoPolicy:
     ) -> dict[Any, Candidate]:
         """``[(req_id, temperature), ...]`` -> per request its candidate for this step.
         ``unavailable``: per request, candidates that cannot run for it this step (an
-        n-gram trie that finds no match: ``proposer.has_ngram_match``); they are neither
+        n-gram trie that finds no match: ``shapes.step_tries``); they are neither
         chosen nor learnt from, so a trie's counts are those of steps where it matched.
         ``tries``: per request, its n-gram tries of this step (``step_tries``): one that
         finds no match (None) is unavailable; one built is priced at its own nodes and

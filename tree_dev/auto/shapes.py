@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from tree_dev.proposer import has_ngram_match, ngram_trie
+from tree_dev.proposer import ngram_tries
 from tree_dev.spec import (
     AutoTreePolicy,
     HybridPolicy,
@@ -157,7 +157,8 @@ class Trie(NamedTuple):
 def step_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> dict[str, Trie | None]:
     """The n-gram trie candidates' (those without ``history=``) tries of this step: name ->
     the ``Trie`` ``proposer.ngram_trie`` builds from ``context``, or None where it finds
-    no match (``proposer.has_ngram_match``, checked first). ``AutoPolicy.choose`` prices a
+    no match (the trie is its root alone; ``proposer.ngram_tries`` builds them all with
+    one scan of the context). ``AutoPolicy.choose`` prices a
     trie at the nodes it has (a budget-8 trie that matched 2 tokens verifies 3 rows, not
     9) and reads its acceptance to the depth it reaches; None is ``unavailable``.
 
@@ -168,16 +169,11 @@ def step_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> dict[
     >>> t.tree.num_nodes, t.tree.max_depth, t.tokens  # 6, 7, 5 followed the earlier 5
     (4, 3, [5, 6, 7, 5])
     """
-    out: dict[str, Trie | None] = {}
-    ctx = context if isinstance(context, list) else list(context)
-    found: dict[int, bool] = {}  # one scan per distinct min_n
-    for c in candidates:
-        p = c.policy
-        if isinstance(p, NgramPolicy) and not p.history:
-            if p.min_n not in found:
-                found[p.min_n] = has_ngram_match(ctx, p)
-            out[c.name] = Trie(*ngram_trie(ctx, p)) if found[p.min_n] else None
-    return out
+    ngram = [c for c in candidates if isinstance(c.policy, NgramPolicy) and not c.policy.history]
+    if not ngram:
+        return {}
+    built = ngram_tries(context, [c.policy for c in ngram])  # one scan, shared tries
+    return {c.name: Trie(*t) if t[0].num_nodes > 1 else None for c, t in zip(ngram, built)}
 
 
 def trie_walk(trie: Trie, continuation: Sequence[int]) -> int | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ class VllmAuto:
         start = cost_model if cost_model is not None else CostModel(**START.__dict__)
         self.auto = AutoPolicy(policy, start)
         self.samples: deque[tuple[Shape, float]] = deque(maxlen=KEEP)
+        self._shape_counts: Counter[Shape] = Counter()  # the samples' distinct shapes
         self._events: list[Any] = []
         self._chosen: dict[Any, Candidate] = {}
         self._behind: dict[Any, int] = {}  # per request, its draft's catch-up this step
@@ -123,7 +124,7 @@ class VllmAuto:
             if self._forced is None:
                 self.auto.record(records, seconds, shape)
             if seconds is not None and shape.verify_rows > 0:
-                self.samples.append((shape, seconds))
+                self._keep_sample(shape, seconds)
                 self._since_fit += 1
                 self._maybe_refit()
         self._events, self._chosen, self._draft_s = [], {}, None
@@ -175,9 +176,20 @@ class VllmAuto:
             raise ValueError(f"treespec auto: no candidate {name!r}; have {sorted(by_name)}")
         self._forced = by_name[name]
 
+    def _keep_sample(self, shape: Shape, seconds: float) -> None:
+        """One timed step into ``samples`` (the oldest dropped beyond ``KEEP``), its
+        shape counted, so a refit check does not scan them all every step."""
+        if len(self.samples) == self.samples.maxlen:
+            old, _ = self.samples[0]
+            self._shape_counts[old] -= 1
+            if not self._shape_counts[old]:
+                del self._shape_counts[old]
+        self.samples.append((shape, seconds))
+        self._shape_counts[shape] += 1
+
     def fit_now(self) -> dict:
         """Fit the cost model to the timed steps now and cache it (``calibrate_auto``)."""
-        if len({s for s, _ in self.samples}) < 2:
+        if len(self._shape_counts) < 2:
             raise ValueError(
                 f"treespec auto: {len(self.samples)} timed steps of fewer than 2 shapes: "
                 "nothing to fit"
@@ -188,7 +200,7 @@ class VllmAuto:
     def _maybe_refit(self) -> None:
         if self.fixed or self._since_fit < REFIT_EVERY:
             return
-        if len({s for s, _ in self.samples}) < MIN_SHAPES:
+        if len(self._shape_counts) < MIN_SHAPES:
             return
         self._fit()
 
