@@ -15,14 +15,23 @@ import torch
 
 
 class FeatureHistory:
-    """Per request: ``(first position, [k, H] features)`` of unconsumed committed positions."""
+    """Per request: ``(first position, [k, H] features)`` of unconsumed committed positions.
+
+    A request that drafts nothing for many steps gains one row a step: its rows are kept
+    as the steps' chunks and joined once, when its draft catches up (``catch_up``), not
+    copied whole every step.
+    """
 
     def __init__(self, draft_len: dict[str, int]):
         self.draft_len = draft_len
-        self.feats: dict[str, tuple[int, torch.Tensor]] = {}
+        self._first: dict[str, int] = {}
+        self._chunks: dict[str, list[torch.Tensor]] = {}
+        self._rows: dict[str, int] = {}
 
     def forget(self, rid: str) -> None:
-        self.feats.pop(rid, None)
+        self._first.pop(rid, None)
+        self._chunks.pop(rid, None)
+        self._rows.pop(rid, None)
 
     def keep(
         self,
@@ -40,42 +49,53 @@ class FeatureHistory:
                 scheduled row).
         """
         rids, q0, computed, scheduled = step
+        rows: list[int] = []
+        spans = []  # (request, its first position, its rows' span in ``rows``)
         for i, rid in enumerate(rids):
             nodes = accepted.get(rid)
+            start = int(q0[i])
             if nodes is not None:
-                rows = [int(q0[i]) + j for j in nodes]
+                rows.extend(start + j for j in nodes)
             else:
-                rows = list(range(int(q0[i]), int(q0[i]) + int(scheduled[i])))
-            if not rows:
+                rows.extend(range(start, start + int(scheduled[i])))
+            spans.append((rid, int(computed[i]), len(rows)))
+        if not rows:
+            return
+        picked = hidden_states[torch.tensor(rows, dtype=torch.int64)]  # one gather, a copy
+        begin = 0
+        for rid, pos, end in spans:
+            if end == begin:
                 continue
-            h = hidden_states[torch.tensor(rows, dtype=torch.int64)].clone()
-            pos = int(computed[i])
-            prev = self.feats.get(rid)
-            if prev is not None and prev[0] + len(prev[1]) == pos:
-                self.feats[rid] = (prev[0], torch.cat([prev[1], h]))
-            elif prev is None and pos == self.draft_len.get(rid, pos):
-                self.feats[rid] = (pos, h)
+            h = picked[begin:end]
+            begin = end
+            first = self._first.get(rid)
+            if first is not None and first + self._rows[rid] == pos:  # contiguous
+                self._chunks[rid].append(h)
+                self._rows[rid] += len(h)
+            else:  # the first rows, or the history lost: the draft KV from here on
+                self._first[rid], self._chunks[rid], self._rows[rid] = pos, [h], len(h)
                 self.draft_len[rid] = pos
-            else:
-                self.feats[rid] = (pos, h)
-                self.draft_len[rid] = pos  # history lost: draft KV from here on
 
     def catch_up(self, rid: str, seq_len: int) -> tuple[int, torch.Tensor] | None:
         """``(start, [seq_len - start, H] features)`` for the draft's catch-up of a request
         whose draft sequence has ``seq_len`` elements; None (and the request's history and
         draft cache forgotten) when the features it needs were never kept."""
         start = self.draft_len.get(rid, 0)
-        first, feats = self.feats.get(rid, (None, None))
-        if first is None or first > start or first + len(feats) != seq_len:
-            self.feats.pop(rid, None)
+        first = self._first.get(rid)
+        if first is None or first > start or first + self._rows[rid] != seq_len:
+            self.forget(rid)
             self.draft_len.pop(rid, None)
             return None
-        return start, feats[start - first :]
+        chunks = self._chunks[rid]
+        if len(chunks) > 1:
+            chunks[:] = [torch.cat(chunks)]
+        return start, chunks[0][start - first :]
 
     def consumed(self, rid: str, cached: int, seq_len: int) -> None:
         """The draft consumed the sequence up to ``cached``: drop those features."""
         if cached == seq_len:
-            self.feats.pop(rid, None)  # consumed up to the root
-        else:
-            first, feats = self.feats[rid]
-            self.feats[rid] = (cached, feats[cached - first :])
+            self.forget(rid)  # consumed up to the root
+            return
+        first, chunks = self._first[rid], self._chunks[rid]
+        feats = (chunks[0] if len(chunks) == 1 else torch.cat(chunks))[cached - first :]
+        self._first[rid], self._chunks[rid], self._rows[rid] = cached, [feats], len(feats)
