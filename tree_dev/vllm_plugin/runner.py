@@ -251,8 +251,10 @@ class TreeRunner:
         if trees == batch.num_reqs:
             self.stats.sampler_steps["trees_only"] += 1
         else:
+            # no draft in the step: one logits row per request, the bonus rows themselves
+            last = logits if width == 1 else logits[spec_meta.bonus_logits_indices]
             bonus = r.sampler(
-                logits=logits[spec_meta.bonus_logits_indices],
+                logits=last,
                 sampling_metadata=sm,
                 predict_bonus_token=True,  # penalties see no draft tokens, as vLLM's
             ).sampled_token_ids
