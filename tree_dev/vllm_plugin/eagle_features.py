@@ -10,8 +10,26 @@ many sequence elements the request's draft cache holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+
+@dataclass
+class _Kept:
+    """One request's kept features: positions ``first`` to ``end`` (exclusive), in
+    ``chunks`` of ``[k, H]`` as the steps kept them."""
+
+    first: int
+    chunks: list[torch.Tensor]
+    end: int
+
+    def joined(self) -> torch.Tensor:
+        """``[end - first, H]``, the chunks joined once (and kept joined)."""
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks)]
+        return self.chunks[0]
 
 
 class FeatureHistory:
@@ -24,14 +42,10 @@ class FeatureHistory:
 
     def __init__(self, draft_len: dict[str, int]):
         self.draft_len = draft_len
-        self._first: dict[str, int] = {}
-        self._chunks: dict[str, list[torch.Tensor]] = {}
-        self._rows: dict[str, int] = {}
+        self._kept: dict[str, _Kept] = {}
 
     def forget(self, rid: str) -> None:
-        self._first.pop(rid, None)
-        self._chunks.pop(rid, None)
-        self._rows.pop(rid, None)
+        self._kept.pop(rid, None)
 
     def keep(
         self,
@@ -68,12 +82,12 @@ class FeatureHistory:
                 continue
             h = picked[begin:end]
             begin = end
-            first = self._first.get(rid)
-            if first is not None and first + self._rows[rid] == pos:  # contiguous
-                self._chunks[rid].append(h)
-                self._rows[rid] += len(h)
+            kept = self._kept.get(rid)
+            if kept is not None and kept.end == pos:  # contiguous
+                kept.chunks.append(h)
+                kept.end += len(h)
             else:  # the first rows, or the history lost: the draft KV from here on
-                self._first[rid], self._chunks[rid], self._rows[rid] = pos, [h], len(h)
+                self._kept[rid] = _Kept(pos, [h], pos + len(h))
                 self.draft_len[rid] = pos
 
     def catch_up(self, rid: str, seq_len: int) -> tuple[int, torch.Tensor] | None:
@@ -81,21 +95,18 @@ class FeatureHistory:
         whose draft sequence has ``seq_len`` elements; None (and the request's history and
         draft cache forgotten) when the features it needs were never kept."""
         start = self.draft_len.get(rid, 0)
-        first = self._first.get(rid)
-        if first is None or first > start or first + self._rows[rid] != seq_len:
+        kept = self._kept.get(rid)
+        if kept is None or kept.first > start or kept.end != seq_len:
             self.forget(rid)
             self.draft_len.pop(rid, None)
             return None
-        chunks = self._chunks[rid]
-        if len(chunks) > 1:
-            chunks[:] = [torch.cat(chunks)]
-        return start, chunks[0][start - first :]
+        return start, kept.joined()[start - kept.first :]
 
     def consumed(self, rid: str, cached: int, seq_len: int) -> None:
         """The draft consumed the sequence up to ``cached``: drop those features."""
         if cached == seq_len:
             self.forget(rid)  # consumed up to the root
             return
-        first, chunks = self._first[rid], self._chunks[rid]
-        feats = (chunks[0] if len(chunks) == 1 else torch.cat(chunks))[cached - first :]
-        self._first[rid], self._chunks[rid], self._rows[rid] = cached, [feats], len(feats)
+        kept = self._kept[rid]
+        kept.chunks = [kept.joined()[cached - kept.first :]]
+        kept.first = cached
