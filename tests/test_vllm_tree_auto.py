@@ -93,6 +93,29 @@ def test_auto_is_lossless_with_mixed_temperatures(llm, reference):
     assert auto["mean_predicted_s"] > 0 and auto["mean_measured_s"] > 0
 
 
+def test_steps_without_drafts_run_vllms_plain_path_and_trees_resume_after(llm, reference):
+    """``none`` forced on every request: no step has a draft, so every step runs vLLM's
+    non-speculative inputs and sampler (``sampler_steps["plain"]``; no walk, no bonus
+    rows), and the outputs are vLLM plain's. Released, the chooser drafts again, and the
+    drafts that follow (the EAGLE head's features included, kept across the plain
+    steps) are still exact."""
+    prompts, want = PROMPTS[:8], reference[:8]
+    before = tree_stats(llm)
+    llm.collective_rpc("treespec_auto_force", args=("none",))
+    try:
+        assert generate(llm, prompts, greedy_params(len(prompts))) == want
+    finally:
+        llm.collective_rpc("treespec_auto_force", args=(None,))
+    mid = tree_stats(llm)
+    steps = {k: mid["sampler_steps"][k] - before["sampler_steps"][k] for k in before["sampler_steps"]}
+    new_tokens = sum(len(w) for w in want)
+    assert steps["plain"] >= new_tokens // len(prompts), steps
+    assert steps["trees_only"] == steps["bonus_rows"] == steps["rejection"] == 0, steps
+    assert mid["tree_steps"] == before["tree_steps"]
+    assert generate(llm, PROMPTS[8:16], greedy_params(16)[8:]) == reference[8:16]
+    assert tree_stats(llm)["tree_steps"] > mid["tree_steps"]
+
+
 def test_auto_cost_model_is_fitted_on_this_machine_and_cached(llm):
     """After the runs above, the cost model was refitted to measured steps (not the
     start-up guess) and cached as JSON under ``$TREESPEC_CACHE_DIR/auto``."""

@@ -266,10 +266,18 @@ def _update_states(orig):
 
 def _prepare_inputs(orig):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        out = orig(self, scheduler_output, num_scheduled_tokens)
         st = getattr(self, "_treespec", None)
-        if st is not None:
-            st.prepare_verify(scheduler_output, num_scheduled_tokens)
+        if st is None:
+            return orig(self, scheduler_output, num_scheduled_tokens)
+        if st.plain_step(scheduler_output):  # vLLM's non-speculative inputs and sampler
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = orig(self, scheduler_output, num_scheduled_tokens)
+            finally:
+                self.speculative_config = spec
+        else:
+            out = orig(self, scheduler_output, num_scheduled_tokens)
+        st.prepare_verify(scheduler_output, num_scheduled_tokens)
         return out
 
     return _prepare_inputs
@@ -359,7 +367,11 @@ CATALOGUE: tuple[Patch, ...] = (
     ),
     Patch(
         f"{_RUNNER}._prepare_inputs",
-        "depth positions and the tree rows of the verify forward",
+        "depth positions and the tree rows of the verify forward; on a step where no "
+        "request is scheduled with drafts, vLLM's non-speculative inputs (the runner's "
+        "speculative_config is None for that call only, the one attribute 0.32's "
+        "_prepare_inputs reads to choose): no spec-decode metadata, and the step samples "
+        "with vLLM's plain sampler, as an engine without speculation does",
         "wrap",
         _prepare_inputs,
     ),

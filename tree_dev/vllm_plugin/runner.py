@@ -101,9 +101,12 @@ class TreeRunner:
         from tree_dev.vllm_plugin.worker_methods import Profiler
 
         self._profile = Profiler.from_env()
-        # a developer switch for A/B runs (bench.spec_floor): "vllm" keeps vLLM's rejection
-        # sampler on every speculative step, as before ``sampler_output`` skipped it
+        # developer switches for A/B runs (bench.spec_floor): TREESPEC_SAMPLER=vllm keeps
+        # vLLM's rejection sampler on every speculative step, as before ``sampler_output``
+        # skipped it; TREESPEC_SPEC_INPUTS=always keeps vLLM's speculative inputs on steps
+        # without drafts, as before ``plain_step``
         self._vllm_sampler = os.environ.get("TREESPEC_SAMPLER") == "vllm"
+        self._always_spec_inputs = os.environ.get("TREESPEC_SPEC_INPUTS") == "always"
 
     # ----------------------------------------------------------------- set-up
     def on_step(self, listener: Callable[[StepEvent], None]) -> None:
@@ -140,6 +143,21 @@ class TreeRunner:
         self.proposer.forget(scheduler_output.finished_req_ids, gone)
 
     # ----------------------------------------------------------------- verify
+    def plain_step(self, scheduler_output) -> bool:
+        """Whether this step runs as vLLM without speculation: no request is scheduled
+        with draft tokens (``tree: auto`` chose ``none`` for all, no trie matched, or every
+        request is in its prefill).
+
+        vLLM 0.32's runner takes its speculative path on every step of a speculative
+        engine: spec-decode metadata, logits rows per draft, the rejection sampler. With
+        no draft in the batch none of it has anything to do; the plain path's inputs
+        (one logits row per request, its last) are the same rows, sampled by vLLM's
+        plain sampler. Counted in ``sampler_steps["plain"]``."""
+        if self._always_spec_inputs or any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            return False
+        self.stats.sampler_steps["plain"] += 1
+        return True
+
     def prepare_verify(self, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
         """Depth positions and tree rows for the requests whose drafts are a tree."""
         r = self.runner
@@ -231,9 +249,9 @@ class TreeRunner:
           then overwrites the tree requests' rows;
         - a request asks for logprobs (their rows are the rejection sampler's): None.
 
-        A step without trees (no request drafted: ``tree: auto`` chose ``none``, or every
-        request is in its prefill) is the second case for every request. ``spec_meta``
-        None (vLLM's plain step): None.
+        A step where no request drafted runs vLLM's plain inputs (``plain_step``):
+        ``spec_meta`` is None, and so is the answer (vLLM's plain sampler). With
+        ``TREESPEC_SPEC_INPUTS=always`` such a step is the second case for every request.
         """
         if spec_meta is None or self._vllm_sampler:
             return None

@@ -25,11 +25,12 @@ class Stats:
     walks: dict[str, int] = field(default_factory=dict)  # requests walked per mode
     # draft forwards by attention path: "causal" (vLLM's kernel), "tree" (tree attention)
     draft_forwards: dict[str, int] = field(default_factory=lambda: {"causal": 0, "tree": 0})
-    # steps by what sampled them: "trees_only" (the walk alone), "bonus_rows" (vLLM's
-    # sampler on the requests' last rows, then the walk), "rejection" (vLLM's rejection
-    # sampler: logprobs asked)
+    # steps by what sampled them: "plain" (no draft in the batch: vLLM's non-speculative
+    # inputs and sampler), "trees_only" (the walk alone), "bonus_rows" (vLLM's sampler on
+    # the requests' last rows, then the walk), "rejection" (vLLM's rejection sampler:
+    # logprobs asked)
     sampler_steps: dict[str, int] = field(
-        default_factory=lambda: {"trees_only": 0, "bonus_rows": 0, "rejection": 0}
+        default_factory=lambda: {"plain": 0, "trees_only": 0, "bonus_rows": 0, "rejection": 0}
     )
     seconds: dict[str, float] = field(
         default_factory=lambda: {"walk": 0.0, "compact": 0.0, "propose": 0.0, "tree_attention": 0.0}
