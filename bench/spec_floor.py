@@ -8,9 +8,10 @@ the median of same-moment ratios over ``--reps``), on batch 1, 4 and 8 concurren
 requests, greedy and T=0.8:
 
 - vLLM ``ngram`` k=4 that never matches (``prompt_lookup_min`` 64): vLLM's own floor;
-- the plugin's ``tree: auto`` over tries, every request forced to ``none``;
-- the same with ``TREESPEC_SAMPLER=vllm``: vLLM's rejection sampler on every step, as the
-  plugin ran it before it sampled draft-less requests with vLLM's plain sampler;
+- the plugin's ``tree: auto`` over tries, every request forced to ``none`` (its steps
+  then run vLLM's non-speculative inputs and sampler, ``TreeRunner.plain_step``);
+- the same with ``TREESPEC_SPEC_INPUTS=always``: vLLM's speculative inputs on every step,
+  as the plugin ran them before ``plain_step`` (the A/B of that change);
 - with an EAGLE head (``smollm2-135m``): ``tree: auto`` over the head's trees, forced to
   ``none`` (the head then never runs; the target keeps its features).
 
@@ -58,8 +59,8 @@ def configs(eagle: str | None) -> list[dict]:
         _auto(
             "ngram",
             None,
-            "tree auto (tries), none forced, vLLM's rejection sampler",
-            {"TREESPEC_SAMPLER": "vllm"},
+            "tree auto (tries), none forced, speculative inputs on every step",
+            {"TREESPEC_SPEC_INPUTS": "always"},
         ),
     ]
     if eagle is not None:

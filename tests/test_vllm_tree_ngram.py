@@ -99,6 +99,8 @@ def test_trees_beside_plain_requests_skip_vllms_rejection_sampler(reference, llm
 def test_trie_drafts_are_accepted_and_requests_were_preempted(reference, llm):
     stats = tree_stats(llm)
     assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 1.2
+    assert stats["draft_token_rpcs"] == 0
+    assert stats["sampler_steps"]["plain"] > 0
     preempted = [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
     assert preempted and preempted[0] > 0  # the small KV cache did force preemption
 
@@ -106,7 +108,10 @@ def test_trie_drafts_are_accepted_and_requests_were_preempted(reference, llm):
 def test_smoke_trie_equals_hf_greedy_under_preemption(llm):
     """8 concurrent requests through the trie, preempted by the small KV cache, equal the
     target's plain greedy continuation from Hugging Face ``generate`` (fp32 on both sides),
-    and the trie's drafts are accepted."""
+    and the trie's drafts are accepted. Every step's drafts reached vLLM's scheduler with
+    the step's output (``draft_token_rpcs`` 0: the engine core, in its own process, made
+    no ``take_draft_token_ids`` round trip), and steps without drafts (the prefills) ran
+    vLLM's plain path."""
     import torch
     from vllm_engines import TARGET, generate, greedy_params, max_tokens_for
 
@@ -121,3 +126,5 @@ def test_smoke_trie_equals_hf_greedy_under_preemption(llm):
     assert not diverged, f"prompts {diverged} diverge from the target's plain greedy output"
     stats = tree_stats(llm)
     assert stats["tree_steps"] > 0 and stats["tokens_per_step"] > 1.2
+    assert stats["draft_token_rpcs"] == 0
+    assert stats["sampler_steps"]["plain"] > 0

@@ -309,6 +309,61 @@ def _sample(orig):
     return _sample
 
 
+_NO_DRAFTS = object()  # a model output that carries no treespec drafts
+
+
+def _sample_tokens(orig):
+    def sample_tokens(self, *args: Any, **kwargs: Any):
+        out = orig(self, *args, **kwargs)
+        st = getattr(self, "_treespec", None)
+        if st is not None and st.drafts_in_output():
+            from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+            if isinstance(out, ModelRunnerOutput) and out is not EMPTY_MODEL_RUNNER_OUTPUT:
+                st.taking_drafts_for_output = True
+                try:
+                    out.treespec_draft_token_ids = self.take_draft_token_ids()
+                finally:
+                    st.taking_drafts_for_output = False
+        return out
+
+    return sample_tokens
+
+
+def _take_draft_token_ids(orig):
+    def take_draft_token_ids(self):
+        st = getattr(self, "_treespec", None)
+        if st is not None and not st.taking_drafts_for_output:
+            st.stats.draft_token_rpcs += 1
+        return orig(self)
+
+    return take_draft_token_ids
+
+
+def _scheduler_update(orig):
+    def update_from_output(self, scheduler_output, model_runner_output):
+        out = orig(self, scheduler_output, model_runner_output)
+        drafts = getattr(model_runner_output, "treespec_draft_token_ids", _NO_DRAFTS)
+        if drafts is not _NO_DRAFTS:  # the step's drafts came with its output
+            if drafts is not None:
+                self.update_draft_token_ids(drafts)
+            self._treespec_drafts_taken = True
+        return out
+
+    return update_from_output
+
+
+def _post_step(orig):
+    def post_step(self, model_executed: bool) -> None:
+        scheduler = getattr(self, "scheduler", None)
+        if getattr(scheduler, "_treespec_drafts_taken", False):
+            scheduler._treespec_drafts_taken = False  # taken in update_from_output
+            return
+        return orig(self, model_executed)
+
+    return post_step
+
+
 def _propose(orig):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         st = getattr(self, "_treespec", None)
@@ -391,6 +446,35 @@ CATALOGUE: tuple[Patch, ...] = (
         _sample,
     ),
     Patch(f"{_RUNNER}.propose_draft_token_ids", "grow the next trees", "wrap", _propose),
+    Patch(
+        f"{_RUNNER}.sample_tokens",
+        "send the step's drafts with its ModelRunnerOutput (treespec_draft_token_ids) "
+        "when the engine schedules synchronously (no async scheduling, one pipeline "
+        "stage): the engine core then needs no take_draft_token_ids round trip per step",
+        "wrap",
+        _sample_tokens,
+    ),
+    Patch(
+        f"{_RUNNER}.take_draft_token_ids",
+        "count the round trips the engine core still makes for drafts "
+        "(stats draft_token_rpcs; 0 when the drafts came with the output)",
+        "wrap",
+        _take_draft_token_ids,
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        "engine core: right after the step's outputs, hand the drafts that came with the "
+        "model output to the scheduler (update_draft_token_ids, as post_step does)",
+        "wrap",
+        _scheduler_update,
+    ),
+    Patch(
+        "vllm.v1.engine.core:EngineCore.post_step",
+        "engine core: skip the take_draft_token_ids call on a step whose drafts came "
+        "with the output (in 0.32 that call is all post_step does)",
+        "wrap",
+        _post_step,
+    ),
     Patch(
         "vllm.v1.attention.backends.registry:register_backend",
         "override CPU_ATTN (CPU) / TRITON_ATTN (CUDA) with the tree attention backends",

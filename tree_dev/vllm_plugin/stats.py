@@ -32,6 +32,9 @@ class Stats:
     sampler_steps: dict[str, int] = field(
         default_factory=lambda: {"plain": 0, "trees_only": 0, "bonus_rows": 0, "rejection": 0}
     )
+    # take_draft_token_ids calls from vLLM's engine core (0 while the drafts travel with
+    # each step's output: TreeRunner.drafts_in_output)
+    draft_token_rpcs: int = 0
     seconds: dict[str, float] = field(
         default_factory=lambda: {"walk": 0.0, "compact": 0.0, "propose": 0.0, "tree_attention": 0.0}
     )
@@ -56,6 +59,7 @@ class Stats:
             "walks": dict(self.walks),
             "draft_forwards": dict(self.draft_forwards),
             "sampler_steps": dict(self.sampler_steps),
+            "draft_token_rpcs": self.draft_token_rpcs,
             "seconds": dict(self.seconds),
         }
 
