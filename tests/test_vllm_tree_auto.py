@@ -107,7 +107,8 @@ def test_steps_without_drafts_run_vllms_plain_path_and_trees_resume_after(llm, r
     finally:
         llm.collective_rpc("treespec_auto_force", args=(None,))
     mid = tree_stats(llm)
-    steps = {k: mid["sampler_steps"][k] - before["sampler_steps"][k] for k in before["sampler_steps"]}
+    was, now = before["sampler_steps"], mid["sampler_steps"]
+    steps = {k: now[k] - was[k] for k in was}
     new_tokens = sum(len(w) for w in want)
     assert steps["plain"] >= new_tokens // len(prompts), steps
     assert steps["trees_only"] == steps["bonus_rows"] == steps["rejection"] == 0, steps
