@@ -9,9 +9,11 @@ requests, greedy and T=0.8:
 
 - vLLM ``ngram`` k=4 that never matches (``prompt_lookup_min`` 64): vLLM's own floor;
 - the plugin's ``tree: auto`` over tries, every request forced to ``none`` (its steps
-  then run vLLM's non-speculative inputs and sampler, ``TreeRunner.plain_step``);
-- the same with ``TREESPEC_SPEC_INPUTS=always``: vLLM's speculative inputs on every step,
-  as the plugin ran them before ``plain_step`` (the A/B of that change);
+  then run vLLM's non-speculative inputs and sampler, ``TreeRunner.plain_step``, and
+  the drafts travel with each step's output, ``TreeRunner.drafts_in_output``);
+- the same with ``TREESPEC_SPEC_INPUTS=always`` and ``TREESPEC_DRAFTS_IN_OUTPUT=0``:
+  vLLM's speculative inputs on every step and its engine core's ``take_draft_token_ids``
+  round trip after every step, as the plugin ran before both (their A/B);
 - with an EAGLE head (``smollm2-135m``): ``tree: auto`` over the head's trees, forced to
   ``none`` (the head then never runs; the target keeps its features).
 
@@ -59,8 +61,8 @@ def configs(eagle: str | None) -> list[dict]:
         _auto(
             "ngram",
             None,
-            "tree auto (tries), none forced, speculative inputs on every step",
-            {"TREESPEC_SPEC_INPUTS": "always"},
+            "tree auto (tries), none forced, spec inputs + draft round trip every step",
+            {"TREESPEC_SPEC_INPUTS": "always", "TREESPEC_DRAFTS_IN_OUTPUT": "0"},
         ),
     ]
     if eagle is not None:

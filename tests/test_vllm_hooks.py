@@ -162,3 +162,52 @@ def test_the_catalogue_cli_exits_0_here(capsys):
     out = capsys.readouterr().out
     assert "MISSING" not in out
     assert all(p.target in out for p in hooks.CATALOGUE)
+
+
+def test_drafts_that_came_with_the_output_go_to_the_scheduler_and_skip_the_round_trip():
+    """Engine-core side of ``TreeRunner.drafts_in_output``: a model output carrying
+    ``treespec_draft_token_ids`` hands them to the scheduler in ``update_from_output``,
+    and that step's ``post_step`` makes no ``take_draft_token_ids`` call; an output
+    without them (vLLM plain, or a worker that sent none) leaves ``post_step`` to vLLM."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    class Scheduler:
+        def __init__(self):
+            self.applied = []
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return "outputs"
+
+        def update_draft_token_ids(self, drafts):
+            self.applied.append(drafts)
+
+    class Executor:
+        calls = 0
+
+        def take_draft_token_ids(self):
+            Executor.calls += 1
+            return None
+
+    class Core:
+        def __init__(self):
+            self.scheduler, self.model_executor = Scheduler(), Executor()
+
+        def post_step(self, model_executed):  # vLLM 0.32's, reduced to its one call
+            if model_executed:
+                self.model_executor.take_draft_token_ids()
+
+    update = hooks._scheduler_update(Scheduler.update_from_output)
+    post_step = hooks._post_step(Core.post_step)
+    core = Core()
+    drafts = DraftTokenIds(["r0"], [[5, 6]])
+    with_drafts = types.SimpleNamespace(treespec_draft_token_ids=drafts)
+    assert update(core.scheduler, None, with_drafts) == "outputs"
+    assert core.scheduler.applied == [drafts]
+    post_step(core, True)
+    assert Executor.calls == 0  # taken with the output
+    update(core.scheduler, None, types.SimpleNamespace())  # no drafts attached
+    post_step(core, True)
+    assert Executor.calls == 1 and core.scheduler.applied == [drafts]
+    update(core.scheduler, None, types.SimpleNamespace(treespec_draft_token_ids=None))
+    post_step(core, True)  # the worker sent "no drafts": nothing to apply, no round trip
+    assert Executor.calls == 1 and core.scheduler.applied == [drafts]
