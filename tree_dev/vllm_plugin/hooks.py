@@ -316,7 +316,7 @@ def _sample_tokens(orig):
     def sample_tokens(self, *args: Any, **kwargs: Any):
         out = orig(self, *args, **kwargs)
         st = getattr(self, "_treespec", None)
-        if st is not None and st.drafts_in_output():
+        if st is not None and st.drafts_in_output:
             from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
             if isinstance(out, ModelRunnerOutput) and out is not EMPTY_MODEL_RUNNER_OUTPUT:

@@ -107,7 +107,14 @@ class TreeRunner:
         # without drafts, as before ``plain_step``
         self._vllm_sampler = os.environ.get("TREESPEC_SAMPLER") == "vllm"
         self._always_spec_inputs = os.environ.get("TREESPEC_SPEC_INPUTS") == "always"
-        self._drafts_in_output = os.environ.get("TREESPEC_DRAFTS_IN_OUTPUT", "1") != "0"
+        # the step's drafts travel with its ModelRunnerOutput (hooks._sample_tokens): only
+        # where vLLM's engine core asks for drafts after each step (no async scheduling,
+        # one pipeline stage); TREESPEC_DRAFTS_IN_OUTPUT=0: never (A/B)
+        self.drafts_in_output = (
+            os.environ.get("TREESPEC_DRAFTS_IN_OUTPUT", "1") != "0"
+            and not getattr(runner, "use_async_scheduling", False)
+            and runner.vllm_config.parallel_config.pipeline_parallel_size == 1
+        )
         self.taking_drafts_for_output = False  # hooks: the take that fills the output
 
     # ----------------------------------------------------------------- set-up
@@ -143,18 +150,6 @@ class TreeRunner:
         for new in scheduler_output.scheduled_new_reqs:
             gone.add(new.req_id)
         self.proposer.forget(scheduler_output.finished_req_ids, gone)
-
-    def drafts_in_output(self) -> bool:
-        """Whether the step's drafts travel with its ``ModelRunnerOutput`` (the engine
-        core then skips its ``take_draft_token_ids`` call, one worker round trip a step):
-        only where vLLM's engine core asks for drafts after each step (no async
-        scheduling, one pipeline stage). ``TREESPEC_DRAFTS_IN_OUTPUT=0``: never (A/B)."""
-        r = self.runner
-        return (
-            self._drafts_in_output
-            and not getattr(r, "use_async_scheduling", False)
-            and r.vllm_config.parallel_config.pipeline_parallel_size == 1
-        )
 
     # ----------------------------------------------------------------- verify
     def plain_step(self, scheduler_output) -> bool:
