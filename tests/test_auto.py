@@ -28,6 +28,7 @@ from tree_dev.auto import (
     cache_path,
     choose,
     default_shapes,
+    is_branched,
     load_cost_model,
     load_or_measure,
     make_candidates,
@@ -69,17 +70,20 @@ def names(picks) -> list[str]:
 @pytest.mark.parametrize(
     "spec, shape, depth",
     [
-        ("none", (1, 0, 0), 0),
-        ("chain:4", (5, 4, 4), 4),  # levels: root, 1, 2, 3 forwarded; node 4 is a leaf
-        ("ngram:budget=8", (9, 0, 0), 8),
-        ("ngram:budget=8,depth=3", (9, 0, 0), 3),
+        ("none", (1, 0, 0, 0), 0),
+        ("chain:4", (5, 4, 4, 0), 4),  # levels: root, 1, 2, 3 forwarded; node 4 is a leaf
+        ("ngram:budget=8", (9, 0, 0, 1), 8),  # a trie may branch
+        ("ngram:budget=8,depth=3", (9, 0, 0, 1), 3),
+        ("ngram:budget=1", (2, 0, 0, 0), 1),  # one node: a chain
         # made: 4 + 5 * 4*4 = 84 candidates, 32 kept; forwarded: root + 4 per level 2..6
-        (BIG, (33, 6, 21), 6),
-        ("topk:k=2,depth=4,budget=8", (9, 4, 7), 4),  # spec.draft_slots says 6 (+ root)
-        ("topk:k=2,depth=2,budget=32", (7, 2, 3), 2),  # only 2 + 2*2 = 6 candidates exist
-        ("paths:[(0,),(1,),(0,0)]", (4, 2, 2), 2),  # root and node (0,) have children
+        (BIG, (33, 6, 21, 1), 6),
+        ("topk:k=2,depth=4,budget=8", (9, 4, 7, 1), 4),  # spec.draft_slots says 6 (+ root)
+        ("topk:k=2,depth=2,budget=32", (7, 2, 3, 1), 2),  # only 2 + 2*2 = 6 candidates exist
+        ("topk:k=1,depth=3,budget=8", (4, 3, 3, 0), 3),  # k=1: a chain
+        ("paths:[(0,),(1,),(0,0)]", (4, 2, 2, 1), 2),  # root and node (0,) have children
+        ("paths:[(0,),(0,0)]", (3, 2, 2, 0), 2),  # a chain spelt as paths
         # top-K part: 2 + 5*4 = 22 made, 16 kept with the trie; n-gram depth = its budget 16
-        ("hybrid:k=2,depth=6,budget=16", (17, 6, 11), 16),
+        ("hybrid:k=2,depth=6,budget=16", (17, 6, 11, 1), 16),
     ],
 )
 def test_policy_shapes_by_hand(spec, shape, depth):
@@ -103,7 +107,7 @@ def test_policy_shapes_match_the_proposer(spec):
         levels, rows = levels + 1, rows + len(ex.frontier())
         ex.absorb(torch.log_softmax(torch.randn(len(ex.frontier()), 50, generator=gen), -1))
     tree = ex.result()[0]
-    assert policy_shape(policy) == (tree.num_nodes, levels, rows)
+    assert policy_shape(policy) == (tree.num_nodes, levels, rows, is_branched(tree))
     assert tree.max_depth <= tree_depth(policy)  # a kept top-K tree may be shallower
 
 
@@ -125,7 +129,7 @@ def test_temperature_classes_follow_the_walk():
 
 
 # --------------------------------------------------------------------------- cost model
-TRUE = dict(a=4e-3, b=1e-4, c=1.2e-3, d=5e-5)
+TRUE = dict(a=4e-3, b=1e-4, c=1.2e-3, d=5e-5, e=8e-4)
 
 
 def fake_forward(noise: float, seed: int = 0):
@@ -135,24 +139,38 @@ def fake_forward(noise: float, seed: int = 0):
     calls = []
 
     def run_step(shape):
-        v, lv, r = shape
+        v, lv, r, br = Shape(*shape)
         calls.append(shape)
-        cost = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r
+        cost = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r + TRUE["e"] * br
         now[0] += cost * (1 + noise * rng.standard_normal())
 
     return run_step, (lambda: now[0]), calls
 
 
 def test_measure_recovers_known_coefficients_from_noisy_steps():
+    """Every coefficient, the branched trees' ``e`` included, from steps with 3% noise."""
     run_step, clock, calls = fake_forward(noise=0.03)
-    model = measure(run_step, default_shapes(), repeats=5, warmup=1, clock=clock)
-    assert len(calls) == len(default_shapes()) * (1 + 5)
-    for k, tol in (("a", 0.05), ("b", 0.05), ("c", 0.05), ("d", 0.15)):
+    shapes = default_shapes() + [
+        s._replace(branched=k) for s in default_shapes()[3:] for k in (1, 4)
+    ]
+    model = measure(run_step, shapes, repeats=5, warmup=1, clock=clock)
+    assert len(calls) == len(shapes) * (1 + 5)
+    for k, tol in (("a", 0.05), ("b", 0.05), ("c", 0.05), ("d", 0.15), ("e", 0.1)):
         assert getattr(model, k) == pytest.approx(TRUE[k], rel=tol), k
-    for v, lv, r in default_shapes():
-        true = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r
-        assert model.predict(Shape(v, lv, r)) == pytest.approx(true, rel=0.03)
-    assert model.samples == len(default_shapes()) and 0 < model.rel_rms < 0.03
+    for v, lv, r, br in shapes:
+        true = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r + TRUE["e"] * br
+        assert model.predict(Shape(v, lv, r, br)) == pytest.approx(true, rel=0.03)
+    assert model.samples == len(shapes) and 0 < model.rel_rms < 0.03
+
+
+def test_a_fit_without_branched_steps_prices_branching_at_zero():
+    """The local engine times no branched step (its tree attention is the same for any
+    tree): ``e`` is 0, not a guess, and the other coefficients are unchanged."""
+    run_step, clock, _ = fake_forward(noise=0.0)
+    model = measure(run_step, default_shapes(), repeats=1, warmup=0, clock=clock)
+    assert model.e == 0.0
+    for k in "abcd":
+        assert getattr(model, k) == pytest.approx(TRUE[k], rel=1e-6), k
 
 
 def test_fit_keeps_coefficients_non_negative():
@@ -248,6 +266,9 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
         b'{"format": "something else", "version": 1}',
         b'{"format": "treespec.auto.cost_model", "version": 1, "key": KEY, "model": {}}',
         b"[1, 2, 3]",
+        # the format before ``e`` (branched trees): measured again, not read as e = 0
+        b'{"format": "treespec.auto.cost_model", "version": 1, "key": KEY, "model": '
+        b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "samples": 4, "rel_rms": 0.0}}',
     ],
 )
 def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, content):
@@ -409,7 +430,7 @@ def test_ties_go_to_the_cheaper_tree_and_bad_input_is_refused():
 
 
 def brute_force_rate(expected, cands, cost) -> float:
-    """max over every assignment of sum(tokens) / (a + b*V + c*max levels + d*R)."""
+    """max over every assignment of sum(tokens) / (a + b*V + c*max levels + d*R + e*B)."""
     best = 0.0
     for x in itertools.product(range(len(cands)), repeat=len(expected)):
         if any(expected[i][j] is None for i, j in enumerate(x)):
@@ -421,6 +442,7 @@ def brute_force_rate(expected, cands, cost) -> float:
             + cost.b * sum(s.verify_rows for s in sh)
             + cost.c * max(s.draft_levels for s in sh)
             + cost.d * sum(s.draft_rows for s in sh)
+            + cost.e * sum(s.branched for s in sh)
         )
         best = max(best, tokens / sec)
     return best
@@ -428,19 +450,20 @@ def brute_force_rate(expected, cands, cost) -> float:
 
 @given(
     st.lists(st.lists(st.floats(0, 1), min_size=4, max_size=4), min_size=1, max_size=4),
-    st.tuples(*[st.floats(0, 0.01)] * 3),
+    st.tuples(*[st.floats(0, 0.01)] * 4),
 )
-def test_choose_is_the_exact_optimum(accepts, bcd):
+def test_choose_is_the_exact_optimum(accepts, bcde):
     """Against every assignment: ``choose`` finds the best batch rate."""
-    assert_choose_is_the_optimum(accepts, bcd)
+    assert_choose_is_the_optimum(accepts, bcde)
 
 
-def assert_choose_is_the_optimum(accepts, bcd) -> None:
+def assert_choose_is_the_optimum(accepts, bcde) -> None:
     """``choose``'s batch rate equals the best over every assignment, for yields ``1 +
-    depth_j * u_ij`` (any in ``[1, 1 + depth]``) and a cost ``(0.01, *bcd)``."""
+    depth_j * u_ij`` (any in ``[1, 1 + depth]``) and a cost ``(0.01, *bcde)`` (``CANDS``
+    has chains and a branched tree, so ``e`` is in play)."""
     cands = make_candidates(CANDS)
     expected = [[1 + c.depth * u for c, u in zip(cands, row)] for row in accepts]
-    cost = CostModel(0.01, *bcd)
+    cost = CostModel(0.01, *bcde)
     picks = choose(expected, cands, cost)
     idx = [cands.index(c) for c in picks]
     tokens = sum(expected[i][j] for i, j in enumerate(idx))
@@ -450,13 +473,38 @@ def assert_choose_is_the_optimum(accepts, bcd) -> None:
 
 @given(
     st.lists(st.lists(st.floats(0, 0.15), min_size=4, max_size=4), min_size=1, max_size=4),
-    st.tuples(*[st.floats(0, 0.01)] * 3),
+    st.tuples(*[st.floats(0, 0.01)] * 4),
 )
-def test_choose_is_the_exact_optimum_where_little_is_accepted(accepts, bcd):
+def test_choose_is_the_exact_optimum_where_little_is_accepted(accepts, bcde):
     """Where drafts are rarely accepted ``choose`` mostly returns ``none`` for everyone
     without solving (a sufficient test); against every assignment it is still the best
     batch rate, and when it is all ``none``, no assignment beats it."""
-    assert_choose_is_the_optimum(accepts, bcd)
+    assert_choose_is_the_optimum(accepts, bcde)
+
+
+def test_a_branched_tree_pays_its_tree_attention():
+    """Two requests, each with a 3-node trie yielding 1.5 tokens: one a chain, one
+    branched. At 10 ms a step and 1 ms a row, both pay; with 4 ms for a branched tree
+    (inside vLLM its rows are tree attention in every layer) the branched one does not:
+    3.0 tokens / 18 ms < 2.5 / 14 ms. Where tries do not branch, ``e`` changes nothing."""
+    cands = make_candidates(["ngram:budget=4"])  # none, the trie
+    rows = [[1.0, 1.5], [1.0, 1.5]]
+    built = [{1: Shape(3, 0, 0, 0)}, {1: Shape(3, 0, 0, 1)}]
+    free = CostModel(a=0.010, b=0.001, c=0.0, d=0.0)
+    priced = CostModel(a=0.010, b=0.001, c=0.0, d=0.0, e=0.004)
+    assert names(choose(rows, cands, free, built)) == ["ngram:budget=4"] * 2
+    assert names(choose(rows, cands, priced, built)) == ["ngram:budget=4", "none"]
+    chains = [{1: Shape(3, 0, 0, 0)}] * 2
+    assert names(choose(rows, cands, priced, chains)) == ["ngram:budget=4"] * 2
+
+
+def test_a_step_trie_knows_whether_it_branches():
+    cands = make_candidates(["ngram:budget=8"])
+    chain = step_tries([5, 6, 7, 5], cands)["ngram:budget=8"]  # 5 was followed by 6
+    fork = step_tries([5, 6, 5, 7, 5], cands)["ngram:budget=8"]  # by 6, then by 7
+    assert chain.shape == Shape(4, 0, 0, 0)
+    assert fork.shape.branched == 1 and fork.shape.verify_rows == fork.tree.num_nodes
+    assert is_branched(fork.tree) == 1 and is_branched([-1]) == 0
 
 
 def test_nothing_pays_is_decided_without_the_solver(monkeypatch):
@@ -631,7 +679,7 @@ def test_predicted_and_measured_step_seconds_in_the_stats():
 
 def test_candidate_name_shape_depth():
     c = Candidate(parse_tree_spec("chain:3"), sampled_drafts=True)
-    assert (c.name, c.shape, c.depth) == ("chain:3+sampled", (4, 3, 3), 3)
+    assert (c.name, c.shape, c.depth) == ("chain:3+sampled", (4, 3, 3, 0), 3)
 
 
 def test_docstring_examples_hold():
@@ -781,7 +829,8 @@ def test_trie_shadows_learn_failures_without_paying_for_them_and_find_the_trie_a
 def test_vllm_refit_records_the_realised_step_shape(tmp_path):
     """Inside vLLM the online refit learns from each step's shape as run, not the chosen
     candidates' nominal ones: a trie that matched 3 tokens verifies 4 rows, not its
-    budget's 9; a request whose trie found nothing verifies its root alone."""
+    budget's 9; a request whose trie found nothing verifies its root alone; a branched
+    trie counts as one (tree attention), a chain as none (vLLM's own kernel)."""
     from tree_dev.spec import parse_tree_spec
     from tree_dev.step import RequestStep
     from tree_dev.vllm_plugin.auto_choice import VllmAuto
@@ -789,14 +838,15 @@ def test_vllm_refit_records_the_realised_step_shape(tmp_path):
     policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
     va = VllmAuto(policy, "m", "d", "float32", "cpu", cost_model=CostModel(**COLLAPSE))
     va.force("ngram:budget=8")
-    va.choose([("a", 0.0), ("b", 0.0)])
+    va.choose([("a", 0.0), ("b", 0.0), ("c", 0.0)])
     va.drafted()
     va.step_begin()
-    tree = RequestStep("a", 5, [1] * 6, [-1, 0, 1, 2], [7, 8, 9, 10], 3, [0, 1], [8, 4])
-    va.on_step_event(SimpleNamespace(requests=[tree]))  # "b" verified no tree
+    chain = RequestStep("a", 5, [1] * 6, [-1, 0, 1, 2], [7, 8, 9, 10], 3, [0, 1], [8, 4])
+    fork = RequestStep("c", 5, [1] * 6, [-1, 0, 0], [7, 8, 9], 1, [0], [8])
+    va.on_step_event(SimpleNamespace(requests=[chain, fork]))  # "b" verified no tree
     va.step_done()
-    assert list(va.samples)[-1][0] == Shape(4 + 1, 0, 0)
-    assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0)
+    assert list(va.samples)[-1][0] == Shape(4 + 1 + 3, 0, 0, 1)
+    assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0, 1)
 
 
 def test_record_sets_the_seconds_against_the_realised_shape():
@@ -807,7 +857,7 @@ def test_record_sets_the_seconds_against_the_realised_shape():
     for shape in (Shape(3, 0, 0), None):
         policy = AutoPolicy(["ngram:budget=8"], CostModel(a=0.010, b=0.001, c=0.0, d=0.0))
         assert policy.choose([("r", 0.0)])["r"].name == "ngram:budget=8"  # optimism
-        assert policy.step_shape == Shape(9, 0, 0)
+        assert policy.step_shape == Shape(9, 0, 0, 1)
         policy.record([step_of("r", 2, 1)], seconds=0.013, shape=shape)
         stats = policy.stats.as_dict()
         want = 0.013 if shape is not None else 0.019

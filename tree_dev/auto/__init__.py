@@ -4,10 +4,10 @@ batch's expected tokens per second (issue 34). Engine-independent: no models, no
 Four parts, each usable alone:
 
 1. **What a candidate costs** (``shapes``: ``policy_shape``, ``Candidate``): a policy's
-   verify rows, draft levels and draft rows, and its tree depth.
+   verify rows, draft levels, draft rows and whether its tree branches, and its depth.
 2. **What a step costs** (``cost_model``: ``CostModel``): seconds = ``a + b*verify_rows
-   + c*draft_levels + d*draft_rows``, non-negative coefficients fitted by least squares on
-   steps timed at start-up (``measure``), cached as JSON per model and machine
+   + c*draft_levels + d*draft_rows + e*branched``, non-negative coefficients fitted by
+   least squares on steps timed at start-up (``measure``), cached as JSON per model and machine
    (``load_cost_model`` / ``save_cost_model`` / ``load_or_measure``), corrected online by
    a decayed, bounded ratio of measured to predicted seconds.
 3. **What a candidate yields** (``acceptance``: ``AcceptanceTracker``): per request, per
@@ -56,6 +56,7 @@ from tree_dev.auto.shapes import (
     Candidate,
     Shape,
     Trie,
+    is_branched,
     make_candidates,
     policy_shape,
     step_tries,
@@ -81,6 +82,7 @@ __all__ = [
     "default_cache_dir",
     "choose",
     "default_shapes",
+    "is_branched",
     "load_cost_model",
     "load_or_measure",
     "machine_fingerprint",

@@ -28,20 +28,22 @@ from tree_dev.step import TRUNK_LIMIT
 
 
 def batch_shape(shapes: Iterable[Shape]) -> Shape:
-    """A batch step's shape: verify and draft rows add up; draft levels are the deepest
-    request's (each level is one packed draft forward over every request still growing)."""
-    v = lv = r = 0
+    """A batch step's shape: verify and draft rows and branched trees add up; draft levels
+    are the deepest request's (each level is one packed draft forward over every request
+    still growing)."""
+    v = lv = r = br = 0
     for s in shapes:
-        v, lv, r = v + s.verify_rows, max(lv, s.draft_levels), r + s.draft_rows
-    return Shape(v, lv, r)
+        v, lv, r, br = v + s[0], max(lv, s[1]), r + s[2], br + s[3]
+    return Shape(v, lv, r, br)
 
 
 def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) -> np.ndarray:
     """Dinkelbach on ``sum(e[i, x_i]) / cost(sum rows, cap)``: repeat ``x = argmax_x
     sum(e) - lam * cost``, separable per request, with ``lam`` the last ratio, until no
     choice improves on ``lam`` (finite: ``lam`` grows strictly). ``rows[i, j]``: request
-    ``i``'s verify and draft rows under candidate ``j``. Ties: the first column."""
-    per_row = cost.b * rows[..., 0] + cost.d * rows[..., 1]  # [requests, candidates]
+    ``i``'s verify rows, draft rows and branched trees under candidate ``j``. Ties: the
+    first column."""
+    per_row = cost.additive(rows)  # [requests, candidates]
     fixed = cost.a + cost.c * cap
     idx = np.arange(len(e))
     x = np.argmax(e, axis=1)  # lam = 0: most tokens
@@ -75,14 +77,12 @@ def _nothing_pays(
     if j0 is None or not np.all(np.isfinite(e[:, j0])):
         return None
     n = len(e)
-    base_rows = rows[:, j0, :].sum(axis=0)
-    seconds = cost.a + cost.b * base_rows[0] + cost.d * base_rows[1]
+    per = cost.additive(rows)  # [requests, candidates]
+    seconds = cost.a + float(per[:, j0].sum())
     if not seconds > 0:
         return None
     r0 = float(e[:, j0].sum()) / seconds
-    added = cost.b * (rows[..., 0] - rows[:, j0, None, 0]) + cost.d * (
-        rows[..., 1] - rows[:, j0, None, 1]
-    )
+    added = per - per[:, j0, None]
     allowance = r0 * (added + cost.c * levels / n)
     gain = e - e[:, j0, None]
     ok = ~np.isfinite(e) | (gain <= allowance)
@@ -125,9 +125,9 @@ def choose(
     for i, over in enumerate(shapes or ()):
         for j, sh in over.items():
             per[i][j] = sh
-    # [requests, candidates, (verify_rows, draft_levels, draft_rows)], one array call
-    sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 3)
-    rows = sizes[..., ::2].astype(float)  # verify and draft rows
+    # [requests, candidates, (verify_rows, draft_levels, draft_rows, branched)], one call
+    sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 4)
+    rows = sizes[..., [0, 2, 3]].astype(float)  # what adds up over requests
     levels = sizes[..., 1]
     nothing = _nothing_pays(e, candidates, rows, levels, cost_model)
     if nothing is not None:
@@ -403,10 +403,7 @@ class AutoPolicy:
             for (rid, _), cls in zip(requests, classes)
         ]
         index = self._index
-        shapes = [
-            {index[n]: Shape(t.tree.num_nodes, 0, 0) for n, t in built.get(rid, {}).items()}
-            for rid, _ in requests
-        ]
+        shapes = [{index[n]: t.shape for n, t in built.get(rid, {}).items()} for rid, _ in requests]
         caught_up: dict[int, dict[int, Shape]] = {}  # behind -> the model trees' shapes
         for (rid, _), over in zip(requests, shapes):
             whole = (behind or {}).get(rid, 0)

@@ -42,22 +42,24 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 @dataclass
 class CostModel:
-    """Step seconds = ``correction * (a + b*verify_rows + c*draft_levels + d*draft_rows)``.
+    """Step seconds = ``correction * (a + b*verify_rows + c*draft_levels + d*draft_rows +
+    e*branched)``.
 
-    ``a..d`` >= 0 (seconds, seconds per row / level), fitted by ``fit``; ``correction``
-    follows the measured steps (``observe``): ``sum(decay^i * measured_i) / sum(decay^i *
-    raw_i)`` over past steps, clipped to ``bounds``. A uniform factor: it never changes
-    which trees win, only the predicted seconds.
+    ``a..e`` >= 0 (seconds, seconds per row / level / branched tree), fitted by ``fit``;
+    ``correction`` follows the measured steps (``observe``): ``sum(decay^i * measured_i) /
+    sum(decay^i * raw_i)`` over past steps, clipped to ``bounds``. A uniform factor: it
+    never changes which trees win, only the predicted seconds.
 
-    >>> m = CostModel(a=0.010, b=0.0001, c=0.001, d=0.0)
-    >>> round(m.predict(Shape(33, 6, 21)), 6)
-    0.0193
+    >>> m = CostModel(a=0.010, b=0.0001, c=0.001, d=0.0, e=0.002)
+    >>> round(m.predict(Shape(33, 6, 21)), 6), round(m.predict(Shape(33, 6, 21, 1)), 6)
+    (0.0193, 0.0213)
     """
 
     a: float
     b: float
     c: float
     d: float
+    e: float = 0.0
     correction: float = 1.0
     correction_decay: float = 0.9
     bounds: tuple[float, float] = (0.5, 2.0)
@@ -68,8 +70,13 @@ class CostModel:
 
     def raw(self, shape: Shape | Sequence[int]) -> float:
         """The fitted seconds of a step of ``shape``, uncorrected."""
-        v, lv, r = shape
-        return self.a + self.b * v + self.c * lv + self.d * r
+        v, lv, r, br = Shape(*shape)
+        return self.a + self.b * v + self.c * lv + self.d * r + self.e * br
+
+    def additive(self, parts: np.ndarray) -> np.ndarray:
+        """The seconds of the parts of a step that add up over requests: ``parts[...,
+        (verify_rows, draft_rows, branched)]`` -> ``b*v + d*r + e*br`` (``choose``)."""
+        return self.b * parts[..., 0] + self.d * parts[..., 1] + self.e * parts[..., 2]
 
     def predict(self, shape: Shape | Sequence[int]) -> float:
         """The predicted seconds of a step of ``shape`` (corrected)."""
@@ -92,7 +99,7 @@ class CostModel:
         as big ones)."""
         if not samples:
             raise ValueError("CostModel.fit: no samples")
-        x = np.array([[1.0, *map(float, s)] for s, _ in samples])
+        x = np.array([[1.0, *map(float, Shape(*s))] for s, _ in samples])
         y = np.array([float(t) for _, t in samples])
         if not np.all(np.isfinite(y) & (y > 0)):
             raise ValueError("CostModel.fit: every measured step must take > 0 seconds")
@@ -103,18 +110,18 @@ class CostModel:
 
     def to_json(self) -> str:
         """The fitted coefficients as JSON (the online correction is per run: not kept)."""
-        keys = ("a", "b", "c", "d", "samples", "rel_rms")
+        keys = ("a", "b", "c", "d", "e", "samples", "rel_rms")
         return json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any]) -> CostModel:
         """Inverse of ``to_json`` (a string or its parsed dict); ``ValueError`` when a
-        coefficient is missing, not a finite number >= 0."""
+        coefficient (``a`` to ``e``) is missing, not a finite number >= 0."""
         obj = json.loads(text) if isinstance(text, str) else dict(text)
         if not isinstance(obj, dict):
             raise ValueError("cost model JSON is not an object")
         coef = []
-        for k in "abcd":
+        for k in "abcde":
             v = obj.get(k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"cost model coefficient {k}={v!r} is not a number >= 0")
@@ -130,7 +137,8 @@ def default_shapes(
     draft_rows: Sequence[int] = (0, 8, 32),
 ) -> list[Shape]:
     """The grid ``measure`` times: every combination a step can have (no draft rows without
-    draft levels and the reverse; at least one draft row per level)."""
+    draft levels and the reverse; at least one draft row per level). Unbranched: the
+    local engine's tree attention is the same for a chain and a tree."""
     return [
         Shape(v, lv, r)
         for v in verify_rows
@@ -194,6 +202,8 @@ def cache_key(model: str, dtype: object, device: str | None = None) -> dict[str,
 
 
 _FORMAT = "treespec.auto.cost_model"
+#: 2: the ``e`` term (branched trees); a file of version 1 has none and is measured again
+_VERSION = 2
 #: Where the engines cache measured cost models: ``$TREESPEC_CACHE_DIR/auto``, else
 #: ``~/.cache/treespec/auto``.
 CACHE_ENV = "TREESPEC_CACHE_DIR"
@@ -216,7 +226,12 @@ def save_cost_model(directory: str | os.PathLike, key: Mapping[str, str], model:
     ``os.replace``): a reader sees the old file or the new one, never half of one."""
     path = cache_path(directory, key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"format": _FORMAT, "version": 1, "key": dict(key), "model": json.loads(model.to_json())}
+    doc = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "key": dict(key),
+        "model": json.loads(model.to_json()),
+    }
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
@@ -239,8 +254,10 @@ def load_cost_model(directory: str | os.PathLike, key: Mapping[str, str]) -> Cos
         return None
     try:
         doc = json.loads(path.read_text())
-        if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("version") != 1:
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
             raise ValueError("not a treespec cost-model file")
+        if doc.get("version") != _VERSION:
+            raise ValueError(f"format version {doc.get('version')!r}, not {_VERSION}")
         if doc.get("key") != dict(key):
             raise ValueError(f"its key {doc.get('key')!r} is not {dict(key)!r}")
         return CostModel.from_json(doc["model"])

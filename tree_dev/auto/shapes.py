@@ -36,27 +36,34 @@ class Shape(NamedTuple):
 
     ``verify_rows``: tree nodes the target scores (root included); ``draft_levels``:
     packed draft forwards (one per tree level grown); ``draft_rows``: nodes the draft
-    forwards over all levels (the root included, when it drafts at all).
+    forwards over all levels (the root included, when it drafts at all); ``branched``:
+    trees verified with a branch (0 or 1 for one request; a batch adds them up). Inside
+    vLLM a branched tree costs tree attention in every layer (on SmolLM2 here about 8 ms
+    a tree at 4 concurrent, a fifth of a step), while a chain's rows are vLLM's own
+    causal kernel's; the local engine's cost fits find no such term.
     """
 
     verify_rows: int
     draft_levels: int
     draft_rows: int
+    branched: int = 0
 
 
 def policy_shape(policy: Policy) -> Shape:
     """One request's verify rows, draft levels and draft rows under ``policy``.
 
-    - ``none``: ``(1, 0, 0)``; ``ngram``: ``(budget + 1, 0, 0)`` (no draft model).
-    - static (``chain:K``, ``paths``, ``medusa``): ``(N, D, 1 + F)``: ``N`` nodes, ``D``
-      the tree's depth (``TreeExpansion`` forwards one level per depth holding a node with
-      children), ``F`` the non-root nodes with children (``spec.draft_slots``: a leaf is
-      never forwarded).
+    - ``none``: ``(1, 0, 0, 0)``; ``ngram``: ``(budget + 1, 0, 0, 1)`` (no draft model;
+      a trie may branch: one built for a step is priced as built, ``trie_shape``).
+    - static (``chain:K``, ``paths``, ``medusa``): ``(N, D, 1 + F, B)``: ``N`` nodes,
+      ``D`` the tree's depth (``TreeExpansion`` forwards one level per depth holding a
+      node with children), ``F`` the non-root nodes with children (``spec.draft_slots``:
+      a leaf is never forwarded), ``B`` 0 for a chain, else 1.
     - ``topk:k,depth,budget``: ``(1 + min(budget, k + (depth-1)*k*k), depth,
-      1 + k*(depth-1))``: level 1 forwards the root and makes ``k`` candidates, each later
-      level forwards the ``k`` best and makes ``k*k``; the last level's are not forwarded.
+      1 + k*(depth-1), 1)``: level 1 forwards the root and makes ``k`` candidates, each
+      later level forwards the ``k`` best and makes ``k*k``; the last level's are not
+      forwarded (``k=1``: a chain, ``B`` 0).
     - ``hybrid``: verify ``1 + min(budget, topk candidates + ngram budget)``; draft levels
-      and rows its top-K part's (the trie costs the draft nothing).
+      and rows its top-K part's (the trie costs the draft nothing); branched.
 
     When the draft runs, ``draft_rows - 1`` is ``spec.draft_slots`` (the root's KV slot is
     the trunk's).
@@ -65,23 +72,35 @@ def policy_shape(policy: Policy) -> Shape:
 
     >>> from tree_dev.spec import parse_tree_spec
     >>> policy_shape(parse_tree_spec("topk:k=4,depth=6,budget=32"))
-    Shape(verify_rows=33, draft_levels=6, draft_rows=21)
+    Shape(verify_rows=33, draft_levels=6, draft_rows=21, branched=1)
     """
     if isinstance(policy, NoDraftPolicy):
         return Shape(1, 0, 0)
     if isinstance(policy, NgramPolicy):
-        return Shape(policy.budget + 1, 0, 0)
+        return Shape(policy.budget + 1, 0, 0, int(policy.budget > 1))
     if isinstance(policy, StaticPolicy):
-        return Shape(policy.tree.num_nodes, policy.tree.max_depth, 1 + draft_slots(policy))
+        tree = policy.tree
+        return Shape(tree.num_nodes, tree.max_depth, 1 + draft_slots(policy), is_branched(tree))
     if isinstance(policy, TopKPolicy):
         k, depth = policy.k, policy.depth
         made = k + (depth - 1) * k * k
-        return Shape(1 + min(policy.budget, made), depth, 1 + draft_slots(policy))
+        return Shape(1 + min(policy.budget, made), depth, 1 + draft_slots(policy), int(k > 1))
     if isinstance(policy, HybridPolicy):
         top = policy_shape(policy.topk)
         nodes = min(policy.budget, top.verify_rows - 1 + policy.ngram.budget)
-        return Shape(1 + nodes, top.draft_levels, top.draft_rows)
+        return Shape(1 + nodes, top.draft_levels, top.draft_rows, 1)
     raise TypeError(f"not a tree policy: {policy!r}")
+
+
+def is_branched(tree: TokenTree | Sequence[int]) -> int:
+    """1 when ``tree`` (or its ``parents`` list) has a node with two children, else 0 (a
+    chain, or the root alone).
+
+    >>> is_branched([-1, 0, 1]), is_branched([-1, 0, 0])
+    (0, 1)
+    """
+    parents = tree.parents.tolist() if isinstance(tree, TokenTree) else tree
+    return int(any(p != i - 1 for i, p in enumerate(parents)))
 
 
 def with_catch_up(shape: Shape, behind: int) -> Shape:
@@ -93,16 +112,18 @@ def with_catch_up(shape: Shape, behind: int) -> Shape:
     (a draft level) each. Undrafted shapes (``none``, a trie) are returned as they are.
 
     >>> with_catch_up(Shape(5, 4, 4), 3)
-    Shape(verify_rows=5, draft_levels=4, draft_rows=7)
+    Shape(verify_rows=5, draft_levels=4, draft_rows=7, branched=0)
     >>> with_catch_up(Shape(5, 4, 4), 300)  # 2 chunks of catch-up first
-    Shape(verify_rows=5, draft_levels=6, draft_rows=304)
-    >>> with_catch_up(Shape(9, 0, 0), 300)
-    Shape(verify_rows=9, draft_levels=0, draft_rows=0)
+    Shape(verify_rows=5, draft_levels=6, draft_rows=304, branched=0)
+    >>> with_catch_up(Shape(9, 0, 0, 1), 300)
+    Shape(verify_rows=9, draft_levels=0, draft_rows=0, branched=1)
     """
     if shape.draft_levels == 0 or behind <= 0:
         return shape
     chunks = -(-behind // CATCH_UP_CHUNK) if behind > TRUNK_LIMIT else 0
-    return Shape(shape.verify_rows, shape.draft_levels + chunks, shape.draft_rows + behind)
+    return shape._replace(
+        draft_levels=shape.draft_levels + chunks, draft_rows=shape.draft_rows + behind
+    )
 
 
 def tree_depth(policy: Policy) -> int:
@@ -152,6 +173,11 @@ class Trie(NamedTuple):
 
     tree: TokenTree
     tokens: list[int]
+
+    @property
+    def shape(self) -> Shape:
+        """The step shape of running it: its own nodes, branched or not, no draft."""
+        return Shape(self.tree.num_nodes, 0, 0, is_branched(self.tree))
 
 
 def step_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> dict[str, Trie | None]:

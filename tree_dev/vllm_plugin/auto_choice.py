@@ -33,6 +33,7 @@ from tree_dev.auto import (
     batch_shape,
     cache_key,
     default_cache_dir,
+    is_branched,
     load_cost_model,
     save_cost_model,
     with_catch_up,
@@ -41,8 +42,9 @@ from tree_dev.spec import AutoTreePolicy
 from tree_dev.step import StepEvent
 
 #: the cost model before any measurement: relative costs (a step, a verify row, a draft
-#: level, a draft row), about a small model on a CPU at batch 1
-START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005)
+#: level, a draft row, a branched tree's tree attention), about a small model on a CPU at
+#: batch 1
+START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005, e=0.1)
 REFIT_EVERY = 64
 KEEP = 1024
 MIN_SHAPES = 4
@@ -86,7 +88,7 @@ class VllmAuto:
     def stats(self) -> dict:
         out = self.auto.stats.as_dict()
         out["candidates"] = [c.name for c in self.auto.candidates]
-        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcd"}
+        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcde"}
         out["cost_model_measured"] = self.measured
         out["samples"] = len(self.samples)
         return out
@@ -134,15 +136,16 @@ class VllmAuto:
         little is smaller than its budget; a tree vLLM cut is its prefix), the root alone
         for a request with no verified tree (``none``, a trie without a match); draft
         levels and rows of the candidate when its tree was drafted by the model, its
-        catch-up included (``shapes.with_catch_up``)."""
+        catch-up included (``shapes.with_catch_up``); branched as the verified tree is
+        (the runner gives a chain's rows to vLLM's own kernel)."""
         parts = []
         for rid, cand in self._chosen.items():
             step = got.get(rid)
             if step is None:
                 parts.append(Shape(1, 0, 0))
             else:
-                _, levels, rows = with_catch_up(cand.shape, self._behind.get(rid, 0))
-                parts.append(Shape(len(step.parents), levels, rows))
+                _, levels, rows, _ = with_catch_up(cand.shape, self._behind.get(rid, 0))
+                parts.append(Shape(len(step.parents), levels, rows, is_branched(step.parents)))
         return batch_shape(parts)
 
     def choose(
@@ -222,10 +225,12 @@ def calibrate_auto(
     llm, batch_sizes: tuple[int, ...] = (1, 4), tokens: int = 40, force: bool = False
 ) -> dict:
     """Measure ``tree: auto``'s cost model on a running ``vllm.LLM``: every candidate
-    forced in turn on ``batch_sizes`` concurrent greedy requests of a repetitive prompt (so
-    n-gram tries fill), ``tokens`` tokens each, the steps timed by the worker, then fitted
-    and cached (``$TREESPEC_CACHE_DIR/auto``). Skipped when the worker already has a
-    measured (cached) model, unless ``force``. Returns the worker's auto statistics.
+    forced in turn on ``batch_sizes`` concurrent greedy requests of repetitive prompts (so
+    n-gram tries fill; every other one repeats two motifs that part ways, so its tries
+    branch and the fit sees what a branched tree costs), ``tokens`` tokens each, the steps
+    timed by the worker, then fitted and cached (``$TREESPEC_CACHE_DIR/auto``). Skipped
+    when the worker already has a measured (cached) model, unless ``force``. Returns the
+    worker's auto statistics.
 
     ``bench.auto_policy`` calls it after an auto engine starts; without it (``serve.py
     --engine vllm`` hands over to vLLM's own server), the worker refits online from the
@@ -240,13 +245,18 @@ def calibrate_auto(
     if stats["cost_model_measured"] and not force:
         return stats
     motif = [11, 23, 5, 42, 17, 8, 31, 2]
-    prompt = TokensPrompt(prompt_token_ids=motif * 6)
+    fork = [11, 7, 5, 42, 17, 9, 31, 2]  # 11 and 17 go on two ways: tries that branch
+    prompts = [
+        TokensPrompt(prompt_token_ids=motif * 6),
+        TokensPrompt(prompt_token_ids=(motif + fork) * 3),
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     try:
         for name in stats["candidates"]:
             llm.collective_rpc("treespec_auto_force", args=(name,))
             for bs in batch_sizes:
-                llm.generate([prompt] * bs, params, use_tqdm=False)
+                batch = [prompts[i % 2] for i in range(bs)]
+                llm.generate(batch, params, use_tqdm=False)
     finally:
         llm.collective_rpc("treespec_auto_force", args=(None,))
     return llm.collective_rpc("treespec_auto_fit")[0]
