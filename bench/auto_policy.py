@@ -15,6 +15,12 @@ mixed traffic ahead of every fixed tree).
 
 The auto engine's cost model is the cached one of this machine, else measured at its
 start (``calibrate_auto``; its seconds are in ``startup_s``).
+
+A concurrent cell is one wave: ``c`` prompts of equal length (``ignore_eos``) in one
+``generate``, so it lasts as long as its slowest request. Drafts accepted for the others
+end them early and leave the batch smaller for its last steps; they raise tokens per
+step, not the wave's throughput. Under a queue or clients that send again (a server:
+``bench.serve_load``) a request that ends early frees its slot for the next one.
 Writes ``results/auto_policy[_MODEL][_eagle].json`` and a plot beside it.
 """
 
