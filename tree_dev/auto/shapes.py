@@ -99,8 +99,9 @@ def is_branched(tree: TokenTree | Sequence[int]) -> int:
     >>> is_branched([-1, 0, 1]), is_branched([-1, 0, 0])
     (0, 1)
     """
-    parents = tree.parents.tolist() if isinstance(tree, TokenTree) else tree
-    return int(any(p != i - 1 for i, p in enumerate(parents)))
+    if isinstance(tree, TokenTree):  # a chain is as deep as it has nodes besides the root
+        return int(tree.max_depth != tree.num_nodes - 1)
+    return int(any(p != i - 1 for i, p in enumerate(tree)))
 
 
 def with_catch_up(shape: Shape, behind: int) -> Shape:

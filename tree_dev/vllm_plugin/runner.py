@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tree_dev.auto.shapes import is_branched
 from tree_dev.proposer import tree_of
 from tree_dev.spec import AutoTreePolicy
 from tree_dev.step import (
@@ -223,7 +224,7 @@ class TreeRunner:
         )
         # A chain's rows are what vLLM verifies anyway (positions P + node = P + depth,
         # the causal mask = its ancestors): vLLM's own kernel is exact for them.
-        branched = [k for k, t in enumerate(trees) if t.max_depth != t.num_nodes - 1]
+        branched = [k for k, t in enumerate(trees) if is_branched(t)]
         if not branched:
             return
         idx = [idx[k] for k in branched]
