@@ -7,9 +7,9 @@ A request accepts each draft depth with probability ``p`` given the depth before
 tree of depth ``D`` yields ``1 + sum_{d<=D} p**d`` tokens on average); the step's seconds
 are the cost model's for the chosen shapes (default: the one fitted inside vLLM on
 SmolLM2-135M with its EAGLE head on this machine). Reported per cell, as a ratio to
-decoding without drafts: auto as it is, auto without probe back-off (``max_backoff=0``,
-the policy before 2026-12-06), and the best single candidate given to every request (an
-oracle that knows ``p``).
+decoding without drafts: auto as it is, auto without probe back-off (``max_backoff=0``
+and ``probe_budget=0``, the policy before 2026-12-06), and the best single candidate
+given to every request (an oracle that knows ``p``).
 
     python -m bench.auto_sim                       # batch 1/4/8, p = 0 .. 0.9
     python -m bench.auto_sim --temperature 0       # greedy requests
@@ -58,17 +58,20 @@ def simulate(
     request_steps: int = 50,
     temperature: float = 0.8,
     max_backoff: int | None = None,
+    probe_budget: float | None = None,
     seed: int = 0,
     prompt: int = 0,
 ) -> float:
     """Tokens per second of ``tree: auto`` over ``AUTO_MODEL_CANDIDATES``, as a ratio to
     decoding without drafts (``batch`` tokens a step of ``cost``'s ``batch`` rows).
-    ``max_backoff`` None: the tracker's default. The draft's catch-up is simulated too:
-    a request starts ``prompt`` tokens behind; a model tree forwards what it is behind
-    (priced by ``cost.d`` as draft rows) and leaves it its accepted drafts behind; a step
-    without the draft model puts it further behind by the tokens it emits."""
+    ``max_backoff``, ``probe_budget`` None: the tracker's defaults. The draft's catch-up is
+    simulated too: a request starts ``prompt`` tokens behind; a model tree forwards what
+    it is behind (priced by ``cost.d`` as draft rows) and leaves it its accepted drafts
+    behind; a step without the draft model puts it further behind by the tokens it
+    emits."""
     rnd = random.Random(seed)
     kw = {} if max_backoff is None else {"max_backoff": max_backoff}
+    kw |= {} if probe_budget is None else {"probe_budget": probe_budget}
     policy = AutoPolicy(AUTO_MODEL_CANDIDATES, cost, AcceptanceTracker(**kw))
     live = {f"r{i}": 0 for i in range(batch)}
     behind = dict.fromkeys(live, prompt)
@@ -164,7 +167,7 @@ def main() -> None:
                 "batch": b,
                 "p": p,
                 "auto": simulate(p, b, cost, **kw),
-                "auto_no_backoff": simulate(p, b, cost, max_backoff=0, **kw),
+                "auto_no_backoff": simulate(p, b, cost, max_backoff=0, probe_budget=0.0, **kw),
                 "best_fixed": fixed,
                 "best_fixed_tree": name,
             }

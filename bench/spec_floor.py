@@ -15,7 +15,9 @@ requests, greedy and T=0.8:
   vLLM's speculative inputs on every step and its engine core's ``take_draft_token_ids``
   round trip after every step, as the plugin ran before both (their A/B);
 - with an EAGLE head (``smollm2-135m``): ``tree: auto`` over the head's trees, forced to
-  ``none`` (the head then never runs; the target keeps its features).
+  ``none`` (the head then never runs; the target keeps its features);
+- with a draft LM (a model set such as the toy's): ``tree: auto`` over its trees, forced
+  to ``none`` (the draft then never runs; it catches up when a tree does).
 
     python -m bench.spec_floor                        # smollm2-135m, eager
     python -m bench.spec_floor --model stdlib-v1      # the toy
@@ -44,7 +46,7 @@ def _auto(method: str, model: str | None, name: str, env: dict | None = None) ->
     return {**tree_engine(method, model, "auto", name), "force": "none", "env": env}
 
 
-def configs(eagle: str | None) -> list[dict]:
+def configs(eagle: str | None, draft: str | None = None) -> list[dict]:
     """vLLM plain first, then the engines whose floor is measured."""
     never = {"method": "ngram", "num_speculative_tokens": 4}
     never |= {"prompt_lookup_min": 64, "prompt_lookup_max": 64}
@@ -67,6 +69,8 @@ def configs(eagle: str | None) -> list[dict]:
     ]
     if eagle is not None:
         out.append(_auto("eagle", eagle, "tree auto (EAGLE head), none forced"))
+    if draft is not None:
+        out.append(_auto("draft_model", draft, "tree auto (draft LM), none forced"))
     return out
 
 
@@ -106,6 +110,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--only", default=None, help="comma-separated substrings of engine names")
     ap.add_argument("--out", default=None, help="JSON path (default results/spec_floor*.json)")
     args = ap.parse_args()
 
@@ -114,7 +119,10 @@ def main() -> None:
     prompts = setup["prompts"]
     sets = prompt_sets(prompts[:-2], args.batch1_prompts, args.reps)  # per SCENARIOS row
     sets = [row for row, s in zip(sets, SCENARIOS) if s in CELLS]
-    grid = configs(setup.get("eagle"))
+    grid = configs(setup.get("eagle"), setup.get("draft"))
+    if args.only:
+        keep = [w.strip() for w in args.only.split(",")]
+        grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
     setup["llm"]["max_num_seqs"] = max(c for _, c, _ in CELLS)
     results = run_beside_plain(
         grid, sets, args.max_tokens, args.reps, setup["llm"], prompts[-2:], CELLS

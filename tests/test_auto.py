@@ -343,6 +343,58 @@ def test_expected_tokens_by_hand():
     assert t.expected_tokens("r", "chain:2", "sampled", 2) == 3.0
 
 
+def _fresh_read(t: AcceptanceTracker, *args) -> float:
+    """``t.expected_tokens(*args)`` computed from the counts, nothing kept read."""
+    t._memo.clear()
+    t._q.clear()
+    return t.expected_tokens(*args)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["observe", "observe", "observe", "end", "forget", "read"]),
+            st.sampled_from(["r0", "r1", "r2"]),
+            st.sampled_from(["chain:2", "chain:4", "ngram:budget=8"]),
+            st.sampled_from(["greedy", "sampled"]),
+            st.integers(0, 6),
+            st.integers(0, 6),
+        ),
+        max_size=60,
+    )
+)
+def test_kept_reads_equal_fresh_ones(ops):
+    """Reads are kept per candidate until it is observed or its prior's optimism moves
+    with the engine step: over any sequence of observations, ended steps and finished
+    requests, every read equals one computed from the counts (and a read kept past an
+    observation would not: the check below)."""
+    t, fresh = AcceptanceTracker(), AcceptanceTracker()
+    for op, rid, name, cls, depth, accepted in ops:
+        for tr in (t, fresh):
+            if op == "observe":
+                tr.observe(rid, name, cls, depth, min(accepted, depth))
+            elif op == "end":
+                tr.end_step()
+            elif op == "forget":
+                tr.forget(rid)
+        for r in ("r0", "r1", "r2"):
+            for reached in (False, True):
+                args = (r, name, cls, max(depth, 1), False, reached)
+                assert t.expected_tokens(*args) == pytest.approx(_fresh_read(fresh, *args), 1e-12)
+
+
+def test_a_read_kept_past_an_observation_would_be_seen():
+    """The check above can fail: with the version left as it was, an observation that
+    halves a request's acceptance leaves its kept read at the old value."""
+    t = AcceptanceTracker()
+    t.observe("r", "chain:2", "greedy", 2, 2)
+    before = t.expected_tokens("r", "chain:2", "greedy", 2)
+    t._bump = lambda name, cls: None  # a tracker that forgot to move the version
+    t.observe("r", "chain:2", "greedy", 2, 0)
+    assert t.expected_tokens("r", "chain:2", "greedy", 2) == before
+    assert _fresh_read(t, "r", "chain:2", "greedy", 2) < before - 0.1
+
+
 def test_forget_drops_a_request_but_keeps_the_prior():
     t = AcceptanceTracker()
     t.observe("r", "chain:2", "greedy", 2, 1)
@@ -538,10 +590,12 @@ def step_of(req_id, depth: int, accepted: int):
 COLLAPSE = dict(a=0.004, b=0.00005, c=0.0012, d=0.00005)
 
 
-def run_collapse():
+def run_collapse(**tracker_kw):
     """130 steps of one greedy request: good 0-29, collapsed 30-69, good again from 70.
-    Returns its picks, the policy, and the class's probe interval before each step."""
-    policy = AutoPolicy(["chain:2", "chain:6"], CostModel(**COLLAPSE))
+    Returns its picks, the policy, and the class's probe interval before each step.
+    ``tracker_kw``: the ``AcceptanceTracker``'s arguments besides its defaults."""
+    tracker = AcceptanceTracker(**tracker_kw)
+    policy = AutoPolicy(["chain:2", "chain:6"], CostModel(**COLLAPSE), tracker)
     picks, intervals = [], []
     for t in range(130):
         good = t < 30 or t >= 70
@@ -573,14 +627,45 @@ def test_collapse_leaves_the_big_tree_and_returns_when_acceptance_recovers():
 
 
 def test_failed_probes_back_off_and_a_probe_that_pays_resets():
-    """The class's probe interval: 8 steps while trees pay, doubled by each probe after
-    which the request went back to none (collapse), at most 32; back to 8 once a probe
-    led to drafting again (recovery)."""
-    picks, policy, intervals = run_collapse()
+    """The class's probe interval, its probes' cost aside (``probe_budget=0``): 8 steps
+    while trees pay, doubled by each probe after which the request went back to none
+    (collapse), at most 32; back to 8 once a probe led to drafting again (recovery)."""
+    picks, policy, intervals = run_collapse(probe_budget=0.0)
     longest = policy.tracker.probe_every << policy.tracker.max_backoff
     assert set(intervals[:30]) == {8}
     assert intervals[69] == longest and max(intervals) == longest
     assert intervals[-1] == 8 and intervals.index(longest) > 30
+
+
+def test_a_costly_failed_probe_makes_its_class_wait_longer():
+    """The collapse scenario with the default budget (3%). By hand: a chain:6 probe
+    (11.85 ms) over none (4.05 ms) adds 7.8 / 4.05 = 1.93 of a step, so once one fails the
+    class waits ceil(1.93 / 0.03) = 65 steps, not 32; a cheaper failed probe (chain:2:
+    2.6 / 4.05 = 0.64, 22 steps) does not shorten it; one that pays resets it to 8. Fewer
+    probes run in the collapse than without the budget, and the big tree still returns
+    once acceptance recovers."""
+    picks, policy, intervals = run_collapse()
+    assert set(intervals[:30]) == {8}
+    assert max(intervals) == 65 and 65 in intervals[40:70]
+    assert intervals[-1] == 8 and picks[-1] == "chain:6"
+    plain_picks = run_collapse(probe_budget=0.0)[0]
+    assert picks[40:70].count("none") > plain_picks[40:70].count("none")
+    tracker = AcceptanceTracker()
+    tracker.probe_result("greedy", paid=False, cost=0.06)  # 2 steps: the back-off rules
+    assert tracker.probe_interval("greedy") == 16
+    tracker.probe_result("greedy", paid=False, cost=3.0)
+    assert tracker.probe_interval("greedy") == 100
+    tracker.probe_result("greedy", paid=False, cost=1.0)  # the costliest since one paid
+    assert tracker.probe_interval("greedy") == 100
+    tracker.probe_result("greedy", paid=False, cost=50.0)
+    assert tracker.probe_interval("greedy") == tracker.longest_wait == 256
+    assert tracker.probe_interval("sampled") == 8  # per class
+    tracker.probe_result("greedy", paid=True, cost=50.0)
+    assert tracker.probe_interval("greedy") == 8
+    assert AcceptanceTracker(probe_every=0).probe_interval("greedy") == 0
+    for bad in ({"probe_budget": 1.5}, {"probe_budget": -0.1}, {"longest_wait": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AcceptanceTracker(**bad)
 
 
 def test_probe_slots_are_per_class_whatever_the_batch_and_rotate_over_requests():
@@ -879,8 +964,8 @@ def test_probe_slots_and_back_off_pay_where_no_tree_pays_and_cost_nothing_where_
         return simulate(p, batch, SMOLLM2_EAGLE, steps=400, **kw)
 
     assert run(0.0, 8) >= 0.94
-    assert run(0.0, 1) >= run(0.0, 1, max_backoff=0) + 0.02
-    good, good_no_backoff = run(0.9, 8), run(0.9, 8, max_backoff=0)
+    assert run(0.0, 1) >= run(0.0, 1, max_backoff=0, probe_budget=0.0) + 0.02
+    good, good_no_backoff = run(0.9, 8), run(0.9, 8, max_backoff=0, probe_budget=0.0)
     assert good > 1.2 and good >= 0.98 * good_no_backoff
 
 
@@ -968,16 +1053,21 @@ def test_a_probe_pays_its_whole_catch_up():
     """By hand, the costs of the test above (none 10 ms, chain:4 16 ms plus 0.5 ms a
     catch-up row). chain:4 ran three steps and accepted nothing, so it reads 1 token and
     the request runs none; every engine step is a probe slot (``probe_every=1``, no
-    back-off), and the offered chain:4 is read at an upper bound that the steps without
-    it fade towards the whole tree: 5 tokens. 10 tokens behind (21 ms) the bound pays
-    and the probes run; 200 behind, a probe's step would forward the 200 rows first (a
-    chunk and 200 rows, 117 ms: 43/s against none's 100/s), so none runs. A regular
-    choice, priced at 32 rows at most, is not held back by the same catch-up (the test
-    above, 1000 behind)."""
+    back-off, no wait for a probe's cost), and the offered chain:4 is read at an upper
+    bound that the steps without it fade towards the whole tree: 5 tokens. 10 tokens
+    behind (21 ms) the bound pays and the probes run; 200 behind, a probe's step would
+    forward the 200 rows first (a chunk and 200 rows, 117 ms: 43/s against none's
+    100/s), so none runs. A regular choice, priced at 32 rows at most, is not held back by
+    the same catch-up (the test above, 1000 behind)."""
     runs = {}
     for late in (10, 200):
         tracker = AcceptanceTracker(
-            decay=1.0, prior_weight=0.0, optimism_weight=0.0, probe_every=1, max_backoff=0
+            decay=1.0,
+            prior_weight=0.0,
+            optimism_weight=0.0,
+            probe_every=1,
+            max_backoff=0,
+            probe_budget=0.0,
         )
         policy = AutoPolicy(["chain:4"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0005), tracker)
         for _ in range(3):

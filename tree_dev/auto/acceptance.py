@@ -3,6 +3,7 @@ request, candidate and temperature class, blended with a shared prior, with prob
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -132,7 +133,14 @@ class AcceptanceTracker:
     (``probe_result(cls, False)``: the request went back to ``none``) doubles the class's
     probe interval, up to ``probe_every * 2 ** max_backoff`` (32 steps); one that paid
     resets it. Where no tree pays, as on sampled text a draft rarely guesses or a batch
-    too large for trees, probes then cost one step in 32, not one in 8.
+    too large for trees, probes then cost one step in 32, not one in 8. A failed probe
+    also sets a floor under the interval from what it cost (``probe_result``'s ``cost``,
+    the seconds it added to its step over that step without it): the class waits at
+    least ``cost / probe_budget`` steps (0.03: its failed probes take at most 3% of its
+    time), the largest such floor since the last probe that paid, at most
+    ``longest_wait`` (256) steps. A model tree's probe pays its draft's catch-up: on the
+    toy at batch 1 a 2-level chain's probe cost two plain steps, so one every 32 steps
+    spent 6% of the time on probes that never paid.
 
     >>> t = AcceptanceTracker(decay=0.5, prior_weight=0.0)
     >>> t.observe("r", "chain:3", "greedy", max_depth=3, accepted=2)
@@ -151,6 +159,8 @@ class AcceptanceTracker:
         probe_every: int = 8,
         fade: float = 0.9,
         max_backoff: int = 2,
+        probe_budget: float = 0.03,
+        longest_wait: int = 256,
     ):
         if not (0 < decay <= 1 and 0 < fade <= 1 and 0 < optimism_decay <= 1):
             raise ValueError("decay, fade and optimism_decay must be in (0, 1]")
@@ -163,8 +173,15 @@ class AcceptanceTracker:
         self.decay, self.prior_weight, self.fade = decay, prior_weight, fade
         self.optimism, self.optimism_weight = optimism, optimism_weight
         self.optimism_decay = optimism_decay
+        if not (0 <= probe_budget <= 1 and longest_wait >= 0):
+            raise ValueError(
+                f"probe_budget must be in [0, 1] (got {probe_budget!r}) and longest_wait "
+                f">= 0 (got {longest_wait!r})"
+            )
         self.probe_every, self.max_backoff = probe_every, max_backoff
+        self.probe_budget, self.longest_wait = probe_budget, longest_wait
         self._backoff: dict[str, int] = {}  # class -> doublings of probe_every
+        self._wait: dict[str, int] = {}  # class -> steps its failed probes' cost asks for
         self._own: dict[tuple[object, str, str], _Counts] = {}
         self._prior: dict[tuple[str, str], _Counts] = {}
         self._offered: dict[tuple[object, str, str], int] = {}  # request step of an offer
@@ -172,7 +189,15 @@ class AcceptanceTracker:
         self._slot_taker: dict[object, int] = {}  # request -> engine step of its last slot
         self._req_steps: dict[object, int] = {}
         self._steps = 0  # engine steps ended (end_step)
-        self._q: dict[tuple[str, str, int, bool], _PriorRates] = {}  # until the next observe
+        # What a (candidate, class) reads changes only when it is observed or, while its
+        # prior's optimism lasts, at each engine step: its version then moves on (a
+        # number never reused), and the reads below are kept until it does.
+        self._tick = 0
+        self._version: dict[tuple[str, str], int] = {}
+        # (candidate, class, depth, reached) -> (version, the prior's rates)
+        self._q: dict[tuple[str, str, int, bool], tuple[int, _PriorRates]] = {}
+        # (request, candidate, class, depth, reached) -> (version, expected tokens)
+        self._memo: dict[tuple[object, str, str, int, bool], tuple[int, float]] = {}
 
     def observe(
         self,
@@ -210,17 +235,29 @@ class AcceptanceTracker:
             prior.pseudo = self.optimism_weight
             self._prior[name, cls] = prior
         prior.add(self._steps + 1, self.decay, max_depth, accepted)
-        self._q.clear()
+        self._bump(name, cls)
+
+    def _bump(self, name: str, cls: str) -> None:
+        """What (``name``, ``cls``) reads changed: its kept reads are stale."""
+        self._tick += 1
+        self._version[name, cls] = self._tick
 
     def end_step(self) -> None:
-        """The engine step is over (the priors' step clock)."""
+        """The engine step is over (the priors' step clock): a prior whose optimism is not
+        spent reads differently now."""
         self._steps += 1
-        self._q.clear()  # the priors' optimism decays with it
+        for (name, cls), prior in self._prior.items():
+            if prior.pseudo > 0 and self._pseudo(prior, self._steps - 1) > 0:
+                self._bump(name, cls)
 
-    def _pseudo(self, prior: _Counts) -> float:
-        """A prior's optimistic pseudo-steps now: ``optimism_weight`` at its birth, times
-        ``optimism_decay`` per engine step since."""
-        return prior.pseudo * self.optimism_decay ** max(self._steps + 1 - prior.born, 0)
+    def _pseudo(self, prior: _Counts, steps: int | None = None) -> float:
+        """A prior's optimistic pseudo-steps now (or after ``steps`` engine steps):
+        ``optimism_weight`` at its birth, times ``optimism_decay`` per engine step since;
+        0 once below ``1e-12`` of a step (spent: the prior then reads the same until it is
+        observed again)."""
+        now = self._steps if steps is None else steps
+        w = prior.pseudo * self.optimism_decay ** max(now + 1 - prior.born, 0)
+        return w if w >= 1e-12 else 0.0
 
     def counts(
         self, req_id: object | None, name: str, cls: str
@@ -244,7 +281,7 @@ class AcceptanceTracker:
         """Drop a finished request's own counts (the prior keeps what it taught)."""
         self._req_steps.pop(req_id, None)
         self._slot_taker.pop(req_id, None)
-        for table in (self._own, self._offered):
+        for table in (self._own, self._offered, self._memo):
             for k in [k for k in table if k[0] == req_id]:
                 del table[k]
 
@@ -296,15 +333,25 @@ class AcceptanceTracker:
         ``1 + sum(accept_probs)``, in ``[1, 1 + depth]``."""
         if depth <= 0:  # ``none``: no draft to accept
             return 1.0
-        if not probe and (req_id, name, cls) not in self._own:
-            return self._prior_rates(name, cls, depth, reached).tokens
-        return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
+        if probe:  # read at its step's staleness: never kept
+            return 1.0 + sum(self.accept_probs(req_id, name, cls, depth, probe, reached))
+        key, version = (req_id, name, cls, depth, reached), self._version.get((name, cls), 0)
+        kept = self._memo.get(key)
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        if (req_id, name, cls) not in self._own:
+            tokens = self._prior_rates(name, cls, depth, reached).tokens
+        else:
+            tokens = 1.0 + sum(self.accept_probs(req_id, name, cls, depth, False, reached))
+        self._memo[key] = (version, tokens)
+        return tokens
 
     def _prior_rates(self, name: str, cls: str, depth: int, reached: bool) -> _PriorRates:
         """The class prior's rates of candidate ``name`` to ``depth`` now (``optimism``
-        while it has none), computed once per engine step and observation."""
-        key = (name, cls, depth, reached)
-        got = self._q.get(key)
+        while it has none), computed again only once the candidate's version moved."""
+        key, version = (name, cls, depth, reached), self._version.get((name, cls), 0)
+        kept = self._q.get(key)
+        got = kept[1] if kept is not None and kept[0] == version else None
         if got is None:
             prior, opt = self._prior.get((name, cls)), self.optimism
             pseudo = 0.0 if prior is None else self._pseudo(prior)
@@ -312,19 +359,33 @@ class AcceptanceTracker:
             if prior is not None:
                 rates = prior.rates(rates, 0.0, 1.0, reached, pseudo)
             probs = _running_min(rates)
-            got = self._q[key] = _PriorRates(rates, probs, 1.0 + sum(probs))
+            got = _PriorRates(rates, probs, 1.0 + sum(probs))
+            self._q[key] = (version, got)
         return got
 
     def probe_interval(self, cls: str) -> int:
-        """Engine steps between class ``cls``'s probe slots now: ``probe_every``, doubled
-        per taken probe that did not pay since the last that did (``max_backoff`` times at
-        most)."""
-        return self.probe_every << self._backoff.get(cls, 0)
+        """Engine steps between class ``cls``'s probe slots now (0: never): ``probe_every``,
+        doubled per taken probe that did not pay since the last that did (``max_backoff``
+        times at most), and at least the wait the costliest of those asked for
+        (``probe_result``)."""
+        if not self.probe_every:
+            return 0
+        return max(self.probe_every << self._backoff.get(cls, 0), self._wait.get(cls, 0))
 
-    def probe_result(self, cls: str, paid: bool) -> None:
-        """A taken probe in class ``cls`` paid (the request kept drafting) or not."""
-        k = self._backoff.get(cls, 0)
-        self._backoff[cls] = 0 if paid else min(k + 1, self.max_backoff)
+    def probe_result(self, cls: str, paid: bool, cost: float = 0.0) -> None:
+        """A taken probe in class ``cls`` paid (the request kept drafting) or not.
+        ``cost``: the seconds the probe added to its step, over that step's seconds without
+        it (a fraction, >= 0); a probe that did not pay makes the class wait at least
+        ``cost / probe_budget`` engine steps (at most ``longest_wait``) until a probe
+        pays."""
+        if paid:
+            self._backoff[cls] = 0
+            self._wait.pop(cls, None)
+            return
+        self._backoff[cls] = min(self._backoff.get(cls, 0) + 1, self.max_backoff)
+        if self.probe_budget > 0 and cost > 0:
+            wait = min(math.ceil(cost / self.probe_budget), self.longest_wait)
+            self._wait[cls] = max(self._wait.get(cls, 0), wait)
 
     def probe_takers(self, requests: Sequence[tuple[object, str]]) -> set[object]:
         """Of this engine step's ``[(req_id, class), ...]``, the requests a probe slot goes

@@ -288,7 +288,8 @@ class AutoPolicy:
         self._raw: dict[tuple[Any, str], float] = {}  # this step's unscaled expected drafts
         self._pending: dict[Any, tuple[Candidate, str]] = {}
         self._offers: dict[Any, str] = {}  # this step's probe offer per request
-        self._probed: dict[Any, tuple[str, str]] = {}  # last step's probe run: (tree, class)
+        # last step's probe run: (tree, class, what it added to its step, a fraction)
+        self._probed: dict[Any, tuple[str, str, float]] = {}
         self._built_at: dict[Any, int] = {}  # context length of this step's tries
         # request -> tries it built and did not run: (name, class, trie, context length)
         self._shadows: dict[Any, list[tuple[str, str, Trie, int]]] = {}
@@ -420,19 +421,21 @@ class AutoPolicy:
             if whole > late and offer is not None and index[offer] in caught_up[late]:
                 over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
         picks = choose(expected, self.candidates, self.cost_model, shapes)
-        for (rid, _), c, cls in zip(requests, picks, classes):
+        for (rid, _), c in zip(requests, picks):
             probed = self._probed.pop(rid, None)  # the request's last step was a probe:
             if probed is not None:  # it paid if the request keeps drafting from the
-                name, probed_cls = probed  # probed tree's source (a model probe followed
+                name, probed_cls, cost = probed  # probed tree's source (a model probe followed
                 source = draft_source(self._by_name[name])  # by a trie says nothing)
                 paid = draft_source(c) == source
                 if paid or name not in no.get(rid, ()):  # else: a trie without a match:
-                    self.tracker.probe_result(probed_cls, paid=paid)  # no say
-            if self._offers.get(rid) == c.name:
-                self._probed[rid] = (c.name, cls)
+                    self.tracker.probe_result(probed_cls, paid=paid, cost=cost)  # no say
         self._pending = {rid: (c, cls) for (rid, _), c, cls in zip(requests, picks, classes)}
         self._raw = {(rid, c.name): self._raw[rid, c.name] for rid, (c, _) in self._pending.items()}
-        self._shape = batch_shape(s.get(index[c.name], c.shape) for c, s in zip(picks, shapes))
+        ran = [s.get(index[c.name], c.shape) for c, s in zip(picks, shapes)]
+        self._shape = batch_shape(ran)
+        for i, ((rid, _), c, cls) in enumerate(zip(requests, picks, classes)):
+            if self._offers.get(rid) == c.name:  # a probe taken: what it adds to the step
+                self._probed[rid] = (c.name, cls, self._probe_cost(ran, i, shapes[i]))
         for c, cls in zip(picks, classes):
             self.stats.count(cls, c.name)
         for (rid, _), c, cls in zip(requests, picks, classes):  # the tries not run: shadows
@@ -441,6 +444,16 @@ class AutoPolicy:
                 shadows = [(n, cls, t, at) for n, t in built.get(rid, {}).items() if n != c.name]
                 self._shadows.setdefault(rid, []).extend(shadows)
         return {rid: c for (rid, _), c in zip(requests, picks)}
+
+    def _probe_cost(self, ran: list[Shape], i: int, over: Mapping[int, Shape]) -> float:
+        """What request ``i``'s tree adds to the step of shapes ``ran``, over the step's
+        seconds with ``none`` in its place (the cost model's estimate)."""
+        j0 = next((j for j, c in enumerate(self.candidates) if draft_source(c) is None), None)
+        if j0 is None:
+            return 0.0
+        without = batch_shape([*ran[:i], over.get(j0, self.candidates[j0].shape), *ran[i + 1 :]])
+        base = self.cost_model.raw(without)
+        return max(self.cost_model.raw(self._shape) - base, 0.0) / base if base > 0 else 0.0
 
     @property
     def step_shape(self) -> Shape:
