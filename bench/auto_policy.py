@@ -1,13 +1,13 @@
 """``tree: auto`` against every fixed tree it chooses from, inside vLLM, in one run.
 
-Per cell (batch 1, 4 and 8 concurrent; greedy and T=0.8; and mixed traffic: 4 concurrent,
-every other request greedy, the rest at T=0.8): output tokens/s of vLLM plain, of
-``tree: auto``, of each of auto's candidates as a fixed tree, and of vLLM's own methods
-(``draft_model`` chain, ``ngram``, ``suffix``), each engine timed in turns with a resident
-vLLM plain (``bench.vllm_e2e.run_engine``: the ratio is the median of same-moment ratios
-over ``--reps``). Reported per cell: auto's ratio to vLLM plain, to the best and the worst
-fixed tree of the cell (issue 34's goals: >= 1.0x plain, >= 0.95x the best fixed tree;
-mixed traffic ahead of every fixed tree).
+Per cell (batch 1, 4 and 8 concurrent; greedy and T=0.8; mixed traffic: 4 concurrent,
+every other request greedy, the rest at T=0.8; and a queue for 8 slots): output tokens/s
+of vLLM plain, of ``tree: auto``, of each of auto's candidates as a fixed tree, and of
+vLLM's own methods (``draft_model`` chain, ``ngram``, ``suffix``), each engine timed in
+turns with a resident vLLM plain (``bench.vllm_e2e.run_engine``: the ratio is the median
+of same-moment ratios over ``--reps``). Reported per cell: auto's ratio to vLLM plain, to
+the best and the worst fixed tree of the cell (issue 34's goals: >= 1.0x plain, >= 0.95x
+the best fixed tree; mixed traffic ahead of every fixed tree).
 
     python -m bench.auto_policy                        # the toy: draft LM candidates
     python -m bench.auto_policy --model smollm2-135m   # the real model: its EAGLE head's
@@ -20,7 +20,9 @@ A concurrent cell is one wave: ``c`` prompts of equal length (``ignore_eos``) in
 ``generate``, so it lasts as long as its slowest request. Drafts accepted for the others
 end them early and leave the batch smaller for its last steps; they raise tokens per
 step, not the wave's throughput. Under a queue or clients that send again (a server:
-``bench.serve_load``) a request that ends early frees its slot for the next one.
+``bench.serve_load``) a request that ends early frees its slot for the next one: the
+``queue8`` cells (greedy, T=0.8) queue 24 requests of output lengths spread over half
+to 1.5 times ``--max-tokens`` for 8 slots (``bench.vllm_e2e.queue_lengths``).
 Writes ``results/auto_policy[_MODEL][_eagle].json`` and a plot beside it.
 """
 
@@ -31,7 +33,7 @@ import os
 from pathlib import Path
 
 from bench.io import atomic_write_json
-from bench.vllm_e2e import MIXED, model_setup, run_beside_plain
+from bench.vllm_e2e import MIXED, cell_prompts, model_setup, run_beside_plain
 from tree_dev.spec import (
     AUTO_MODEL_CANDIDATES,
     AUTO_TRIE_CANDIDATES,
@@ -51,6 +53,8 @@ SCENARIOS = (
     ("conc8", 8, 0.0),
     ("conc8", 8, 0.8),
     ("conc4", 4, MIXED),
+    ("queue8", 8, 0.0),
+    ("queue8", 8, 0.8),
 )
 
 
@@ -113,8 +117,8 @@ def prompt_sets(prompts: list[list[int]], batch1: int, reps: int) -> list[list[l
     """``[scenario][rep]`` -> its prompts (``batch1`` at batch 1, else the concurrency),
     disjoint while the prompts last (engines that reuse earlier requests never meet one)."""
     out, k = [], 0
-    for _, conc, _ in SCENARIOS:
-        per, row = max(conc, batch1), []
+    for label, conc, _ in SCENARIOS:
+        per, row = cell_prompts(label, conc, batch1), []
         for _ in range(reps):
             row.append([prompts[(k + i) % len(prompts)] for i in range(per)])
             k += per
@@ -208,11 +212,14 @@ def main() -> None:
         "alone (none); auto: the draft LM of a model set, else the model's EAGLE head",
     )
     ap.add_argument("--only", default=None, help="comma-separated substrings of engine names")
+    ap.add_argument(
+        "--cells", default=None, help="comma-separated substrings of cells ('conc8', 'T=0.8')"
+    )
     ap.add_argument("--out", default=None, help="JSON path (default results/auto_policy*.json)")
     args = ap.parse_args()
     from importlib.util import find_spec
 
-    need = sum(max(c, args.batch1_prompts) for _, c, _ in SCENARIOS) * args.reps + 2
+    need = sum(cell_prompts(s, c, args.batch1_prompts) for s, c, _ in SCENARIOS) * args.reps + 2
     try:
         setup = model_setup(args.model, need, args.prompt_tokens, args.eager)
     except ValueError as e:  # the toy's held-out set is smaller than every cell's prompts
@@ -220,6 +227,14 @@ def main() -> None:
         setup = model_setup(args.model, 48, args.prompt_tokens, args.eager)
     prompts = setup["prompts"]
     sets = prompt_sets(prompts[:-2], args.batch1_prompts, args.reps)
+    cells = SCENARIOS
+    if args.cells:
+        want = [w.strip() for w in args.cells.split(",")]
+        keep = [any(w in f"{s} T={t}" for w in want) for s, _, t in SCENARIOS]
+        cells = tuple(c for c, k in zip(SCENARIOS, keep) if k)
+        sets = [row for row, k in zip(sets, keep) if k]
+        if not cells:
+            raise SystemExit(f"--cells {args.cells!r} keeps no cell")
     method = args.drafter
     if method == "auto":
         method = "draft_model" if setup.get("draft") else "eagle" if setup.get("eagle") else "none"
@@ -240,7 +255,7 @@ def main() -> None:
             parse_tree_spec(c["tree"])  # a bad spec fails before any engine starts
     setup["llm"]["max_num_seqs"] = max(c for _, c, _ in SCENARIOS)  # conc8 runs 8 at once
     results = run_beside_plain(
-        grid, sets, args.max_tokens, args.reps, setup["llm"], prompts[-2:], SCENARIOS
+        grid, sets, args.max_tokens, args.reps, setup["llm"], prompts[-2:], cells
     )
     for res, cfg in zip(results, grid):
         res["fixed"] = cfg["fixed"]

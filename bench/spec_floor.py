@@ -33,12 +33,13 @@ from pathlib import Path
 
 from bench.auto_policy import SCENARIOS, prompt_sets, tree_engine
 from bench.io import atomic_write_json
-from bench.vllm_e2e import model_setup, run_beside_plain
+from bench.vllm_e2e import QUEUE, model_setup, run_beside_plain
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 ROOT = Path(__file__).resolve().parents[1]
-CELLS = tuple(s for s in SCENARIOS if isinstance(s[2], float))  # mixed traffic: not a floor
+# mixed traffic is not a floor; a queue's is its concurrent cell's
+CELLS = tuple(s for s in SCENARIOS if isinstance(s[2], float) and not s[0].startswith(QUEUE))
 
 
 def _auto(method: str, model: str | None, name: str, env: dict | None = None) -> dict:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,6 +57,36 @@ CHAIN_LENGTHS = (4, 8)  # the trees' node budgets; 16 only in the full grid's EA
 SCENARIOS = (("batch1", 1, 0.0), ("batch1", 1, 0.8), ("conc4", 4, 0.0), ("conc4", 4, 0.8))
 #: a scenario's temperature ``MIXED``: every other request greedy, the rest at T=0.8
 MIXED = "mixed"
+#: a scenario whose label starts with ``QUEUE`` (``queue8``): ``QUEUE_DEPTH`` requests per
+#: slot of its concurrency (the engine's ``max_num_seqs``) in one ``generate``, each with
+#: its own output length (``queue_lengths``): a request that ends frees its slot for the
+#: next, as on a server whose clients send again, so the cell does not wait on one wave's
+#: slowest request
+QUEUE = "queue"
+QUEUE_DEPTH = 3
+
+
+def queue_lengths(n: int, mean: int) -> list[int]:
+    """Output lengths of a queue cell's ``n`` requests: spread evenly over
+    ``[mean / 2, 3 * mean / 2]`` (mean ``mean``), in a fixed shuffled order.
+
+    >>> queue_lengths(5, 64)
+    [64, 48, 32, 96, 80]
+    """
+    if n < 1 or mean < 2:
+        raise ValueError(f"queue_lengths: n={n} requests of mean length {mean}")
+    spread = [round(mean * (0.5 + k / max(n - 1, 1))) for k in range(n)]
+    order = list(range(n))
+    random.Random(0).shuffle(order)
+    return [spread[k] for k in order]
+
+
+def cell_prompts(label: str, conc: int, batch1: int = 1) -> int:
+    """Prompts of one rep of a scenario: ``QUEUE_DEPTH`` per slot of a queue cell, else
+    its concurrency (``batch1`` one after another at batch 1)."""
+    if label.startswith(QUEUE):
+        return QUEUE_DEPTH * conc
+    return max(conc, batch1)
 
 
 def configs(quick: bool, eagle_dir: str | None, draft: str | None = None) -> list[dict]:
@@ -209,9 +240,18 @@ def start_engine(cfg: dict, llm_kw: dict | None = None, warm_prompts=None):
     return llm, startup
 
 
-def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, temp: float | str):
+def time_scenario(
+    llm,
+    prompts: list[list[int]],
+    max_tokens: int,
+    conc: int,
+    temp: float | str,
+    lengths: list[int] | None = None,
+):
     """Output tokens/s of one scenario and the engine's spec-decode counters around it.
-    ``temp`` ``MIXED``: request ``i`` greedy for even ``i``, else at T=0.8.
+    ``temp`` ``MIXED``: request ``i`` greedy for even ``i``, else at T=0.8. ``lengths``:
+    per request its output length (a queue cell's, ``queue_lengths``), else
+    ``max_tokens`` each.
 
     Sampling is unseeded: with a seed per request, vLLM 0.32's own chain proposers
     accepted nothing at temperature 0.8 here (tau exactly 1.00 where unseeded runs give
@@ -222,7 +262,12 @@ def time_scenario(llm, prompts: list[list[int]], max_tokens: int, conc: int, tem
 
     toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     temps = [(0.0 if i % 2 == 0 else 0.8) if temp == MIXED else temp for i in range(len(toks))]
-    params = [SamplingParams(temperature=t, max_tokens=max_tokens, ignore_eos=True) for t in temps]
+    if lengths is not None and len(lengths) != len(toks):
+        raise ValueError(f"time_scenario: {len(lengths)} lengths for {len(toks)} prompts")
+    n_tok = lengths or [max_tokens] * len(toks)
+    params = [
+        SamplingParams(temperature=t, max_tokens=n, ignore_eos=True) for t, n in zip(temps, n_tok)
+    ]
     before = _counters(llm)
     t = time.perf_counter()
     if conc == 1:
@@ -286,10 +331,13 @@ def run_engine(
             counters_before = _counters(llm)  # acceptance over every rep of the cell
             for rep in range(reps):
                 order = [llm, plain] if rep % 2 == 0 else [plain, llm]
+                prompts = sets[si][rep]
+                queued = label.startswith(QUEUE)
+                lengths = queue_lengths(len(prompts), max_tokens) if queued else None
                 for engine in order:
                     if engine is None:
                         continue
-                    n, dt, _ = time_scenario(engine, sets[si][rep], max_tokens, conc, temp)
+                    n, dt, _ = time_scenario(engine, prompts, max_tokens, conc, temp, lengths)
                     if engine is llm:
                         mine.append(n / dt)
                         n_out = n

@@ -63,6 +63,27 @@ def test_vllm_e2e_gives_every_scenario_and_rep_fresh_prompts():
     assert short[0][1] == [[4], [0], [1], [2]]
 
 
+def test_queue_cells_spread_output_lengths_and_get_three_prompts_a_slot():
+    """A queue cell's requests: lengths evenly over [mean / 2, 3 mean / 2], their mean
+    the run's ``--max-tokens``, the same order every call (every engine and rep runs the
+    same lengths), shuffled (not sorted: a queue of rising lengths would end in one wave);
+    ``bench.auto_policy`` gives a queue8 cell 24 prompts a rep, other cells their
+    concurrency."""
+    from bench.auto_policy import SCENARIOS, prompt_sets
+    from bench.vllm_e2e import cell_prompts, queue_lengths
+
+    got = queue_lengths(24, 64)
+    assert got == queue_lengths(24, 64)
+    assert (min(got), max(got), sum(got)) == (32, 96, 24 * 64)
+    assert got != sorted(got) and len(set(got)) == 24
+    assert queue_lengths(1, 64) == [32]
+    with pytest.raises(ValueError, match="n=0"):
+        queue_lengths(0, 64)
+    assert [cell_prompts(s, c, 2) for s, c, _ in SCENARIOS] == [2, 2, 4, 4, 8, 8, 4, 24, 24]
+    sets = prompt_sets([[i] for i in range(400)], batch1=2, reps=3)
+    assert [len(row[0]) for row in sets] == [2, 2, 4, 4, 8, 8, 4, 24, 24]
+
+
 def test_trie_replay_walks_the_deepest_matching_path():
     from bench.trie_replay import accepted_length
 
