@@ -32,6 +32,7 @@ import argparse
 import os
 from pathlib import Path
 
+from bench.common import named_by
 from bench.io import atomic_write_json
 from bench.vllm_e2e import MIXED, cell_prompts, model_setup, run_beside_plain
 from tree_dev.spec import (
@@ -227,14 +228,11 @@ def main() -> None:
         setup = model_setup(args.model, 48, args.prompt_tokens, args.eager)
     prompts = setup["prompts"]
     sets = prompt_sets(prompts[:-2], args.batch1_prompts, args.reps)
-    cells = SCENARIOS
-    if args.cells:
-        want = [w.strip() for w in args.cells.split(",")]
-        keep = [any(w in f"{s} T={t}" for w in want) for s, _, t in SCENARIOS]
-        cells = tuple(c for c, k in zip(SCENARIOS, keep) if k)
-        sets = [row for row, k in zip(sets, keep) if k]
-        if not cells:
-            raise SystemExit(f"--cells {args.cells!r} keeps no cell")
+    keep = [named_by(args.cells, f"{s} T={t}") for s, _, t in SCENARIOS]
+    cells = tuple(c for c, k in zip(SCENARIOS, keep) if k)
+    sets = [row for row, k in zip(sets, keep) if k]
+    if not cells:
+        raise SystemExit(f"--cells {args.cells!r} keeps no cell")
     method = args.drafter
     if method == "auto":
         method = "draft_model" if setup.get("draft") else "eagle" if setup.get("eagle") else "none"
@@ -242,9 +240,7 @@ def main() -> None:
     if method != "none" and draft is None:
         raise SystemExit(f"--drafter {method}: {args.model} has none")
     grid = configs(draft, find_spec("arctic_inference") is not None, method)
-    if args.only:
-        keep = [w.strip() for w in args.only.split(",")]
-        grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
+    grid = [grid[0]] + [c for c in grid[1:] if named_by(args.only, c["name"])]
     named = {"auto": any(c["name"].startswith("auto") for c in grid)}
     named["fixed tree"] = any(c.get("fixed") for c in grid)
     missing = [what for what, there in named.items() if not there]

@@ -12,6 +12,18 @@ from typing import Any
 TARGET = Path(__file__).resolve().parents[1] / "checkpoints" / "stdlib-v1" / "target"
 
 
+def named_by(words: str | None, name: str) -> bool:
+    """Whether ``name`` holds one of the comma-separated substrings ``words`` (a
+    benchmark's ``--only`` / ``--cells``); None or empty: every name.
+
+    >>> named_by("auto,min=3", "tree ngram ngram:budget=4,min=3"), named_by(None, "x")
+    (True, True)
+    """
+    if not words:
+        return True
+    return any(w.strip() and w.strip() in name for w in words.split(","))
+
+
 def distinct_ratio(outputs: list[list[int]]) -> float:
     """Mean over outputs of distinct tokens / tokens (1.0: no token repeats; a loop
     of a few tokens gives a small ratio)."""

@@ -32,6 +32,7 @@ import os
 from pathlib import Path
 
 from bench.auto_policy import SCENARIOS, prompt_sets, tree_engine
+from bench.common import named_by
 from bench.io import atomic_write_json
 from bench.vllm_e2e import QUEUE, model_setup, run_beside_plain
 
@@ -121,9 +122,7 @@ def main() -> None:
     sets = prompt_sets(prompts[:-2], args.batch1_prompts, args.reps)  # per SCENARIOS row
     sets = [row for row, s in zip(sets, SCENARIOS) if s in CELLS]
     grid = configs(setup.get("eagle"), setup.get("draft"))
-    if args.only:
-        keep = [w.strip() for w in args.only.split(",")]
-        grid = [grid[0]] + [c for c in grid[1:] if any(w in c["name"] for w in keep)]
+    grid = [grid[0]] + [c for c in grid[1:] if named_by(args.only, c["name"])]
     setup["llm"]["max_num_seqs"] = max(c for _, c, _ in CELLS)
     results = run_beside_plain(
         grid, sets, args.max_tokens, args.reps, setup["llm"], prompts[-2:], CELLS

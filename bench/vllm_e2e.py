@@ -329,10 +329,10 @@ def run_engine(
             mine, base, ratios, n_out = [], [], [], 0
             chosen_before = _auto_choices(llm) if auto else None
             counters_before = _counters(llm)  # acceptance over every rep of the cell
+            queued = label.startswith(QUEUE)
             for rep in range(reps):
                 order = [llm, plain] if rep % 2 == 0 else [plain, llm]
                 prompts = sets[si][rep]
-                queued = label.startswith(QUEUE)
                 lengths = queue_lengths(len(prompts), max_tokens) if queued else None
                 for engine in order:
                     if engine is None:

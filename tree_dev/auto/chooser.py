@@ -278,6 +278,9 @@ class AutoPolicy:
         self._by_name = {c.name: c for c in self.candidates}
         self._index = {c.name: j for j, c in enumerate(self.candidates)}
         self._drift_keys = [drift_key(c) for c in self.candidates]
+        # the index of ``none`` (what a probe's cost is set against), None without one
+        undrafted = [j for j, c in enumerate(self.candidates) if draft_source(c) is None]
+        self._none = undrafted[0] if undrafted else None
         self.cost_model = cost_model
         self.tracker = tracker if tracker is not None else AcceptanceTracker()
         self.stats = AutoStats()
@@ -448,7 +451,7 @@ class AutoPolicy:
     def _probe_cost(self, ran: list[Shape], i: int, over: Mapping[int, Shape]) -> float:
         """What request ``i``'s tree adds to the step of shapes ``ran``, over the step's
         seconds with ``none`` in its place (the cost model's estimate)."""
-        j0 = next((j for j, c in enumerate(self.candidates) if draft_source(c) is None), None)
+        j0 = self._none
         if j0 is None:
             return 0.0
         without = batch_shape([*ran[:i], over.get(j0, self.candidates[j0].shape), *ran[i + 1 :]])
