@@ -70,20 +70,20 @@ def names(picks) -> list[str]:
 @pytest.mark.parametrize(
     "spec, shape, depth",
     [
-        ("none", (1, 0, 0, 0), 0),
-        ("chain:4", (5, 4, 4, 0), 4),  # levels: root, 1, 2, 3 forwarded; node 4 is a leaf
-        ("ngram:budget=8", (9, 0, 0, 1), 8),  # a trie may branch
-        ("ngram:budget=8,depth=3", (9, 0, 0, 1), 3),
-        ("ngram:budget=1", (2, 0, 0, 0), 1),  # one node: a chain
+        ("none", (1, 0, 0, 0, 0), 0),  # the only undrafted one: a plain step
+        ("chain:4", (5, 4, 4, 0, 1), 4),  # levels: root, 1, 2, 3 forwarded; node 4 is a leaf
+        ("ngram:budget=8", (9, 0, 0, 1, 1), 8),  # a trie may branch
+        ("ngram:budget=8,depth=3", (9, 0, 0, 1, 1), 3),
+        ("ngram:budget=1", (2, 0, 0, 0, 1), 1),  # one node: a chain
         # made: 4 + 5 * 4*4 = 84 candidates, 32 kept; forwarded: root + 4 per level 2..6
-        (BIG, (33, 6, 21, 1), 6),
-        ("topk:k=2,depth=4,budget=8", (9, 4, 7, 1), 4),  # spec.draft_slots says 6 (+ root)
-        ("topk:k=2,depth=2,budget=32", (7, 2, 3, 1), 2),  # only 2 + 2*2 = 6 candidates exist
-        ("topk:k=1,depth=3,budget=8", (4, 3, 3, 0), 3),  # k=1: a chain
-        ("paths:[(0,),(1,),(0,0)]", (4, 2, 2, 1), 2),  # root and node (0,) have children
-        ("paths:[(0,),(0,0)]", (3, 2, 2, 0), 2),  # a chain spelt as paths
+        (BIG, (33, 6, 21, 1, 1), 6),
+        ("topk:k=2,depth=4,budget=8", (9, 4, 7, 1, 1), 4),  # spec.draft_slots says 6 (+ root)
+        ("topk:k=2,depth=2,budget=32", (7, 2, 3, 1, 1), 2),  # only 2 + 2*2 = 6 candidates exist
+        ("topk:k=1,depth=3,budget=8", (4, 3, 3, 0, 1), 3),  # k=1: a chain
+        ("paths:[(0,),(1,),(0,0)]", (4, 2, 2, 1, 1), 2),  # root and node (0,) have children
+        ("paths:[(0,),(0,0)]", (3, 2, 2, 0, 1), 2),  # a chain spelt as paths
         # top-K part: 2 + 5*4 = 22 made, 16 kept with the trie; n-gram depth = its budget 16
-        ("hybrid:k=2,depth=6,budget=16", (17, 6, 11, 1), 16),
+        ("hybrid:k=2,depth=6,budget=16", (17, 6, 11, 1, 1), 16),
     ],
 )
 def test_policy_shapes_by_hand(spec, shape, depth):
@@ -107,7 +107,7 @@ def test_policy_shapes_match_the_proposer(spec):
         levels, rows = levels + 1, rows + len(ex.frontier())
         ex.absorb(torch.log_softmax(torch.randn(len(ex.frontier()), 50, generator=gen), -1))
     tree = ex.result()[0]
-    assert policy_shape(policy) == (tree.num_nodes, levels, rows, is_branched(tree))
+    assert policy_shape(policy) == (tree.num_nodes, levels, rows, is_branched(tree), 1)
     assert tree.max_depth <= tree_depth(policy)  # a kept top-K tree may be shallower
 
 
@@ -129,7 +129,14 @@ def test_temperature_classes_follow_the_walk():
 
 
 # --------------------------------------------------------------------------- cost model
-TRUE = dict(a=4e-3, b=1e-4, c=1.2e-3, d=5e-5, e=8e-4)
+TRUE = dict(a=4e-3, b=1e-4, c=1.2e-3, d=5e-5, e=8e-4, f=1.5e-3)
+
+
+def true_seconds(shape) -> float:
+    """``TRUE``'s seconds of a step of ``shape``."""
+    v, lv, r, br, dr = Shape(*shape)
+    t = TRUE
+    return t["a"] + t["b"] * v + t["c"] * lv + t["d"] * r + t["e"] * br + t["f"] * dr
 
 
 def fake_forward(noise: float, seed: int = 0):
@@ -139,36 +146,37 @@ def fake_forward(noise: float, seed: int = 0):
     calls = []
 
     def run_step(shape):
-        v, lv, r, br = Shape(*shape)
         calls.append(shape)
-        cost = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r + TRUE["e"] * br
+        cost = true_seconds(shape)
         now[0] += cost * (1 + noise * rng.standard_normal())
 
     return run_step, (lambda: now[0]), calls
 
 
 def test_measure_recovers_known_coefficients_from_noisy_steps():
-    """Every coefficient, the branched trees' ``e`` included, from steps with 3% noise."""
+    """Every coefficient, the branched trees' ``e`` and a drafted step's ``f`` included,
+    from steps with 3% noise: plain steps of 1, 16 and 64 rows (vLLM's batches with no
+    draft) beside the drafted ones."""
     run_step, clock, calls = fake_forward(noise=0.03)
-    shapes = default_shapes() + [
-        s._replace(branched=k) for s in default_shapes()[3:] for k in (1, 4)
-    ]
+    plain = [s for s in default_shapes() if s.draft_levels == 0]
+    drafted = [s._replace(drafted=1) for s in default_shapes() if s.verify_rows > 1]
+    shapes = plain + drafted + [s._replace(branched=k) for s in drafted for k in (1, 4)]
     model = measure(run_step, shapes, repeats=5, warmup=1, clock=clock)
     assert len(calls) == len(shapes) * (1 + 5)
-    for k, tol in (("a", 0.05), ("b", 0.05), ("c", 0.05), ("d", 0.15), ("e", 0.1)):
+    for k, tol in (("a", 0.05), ("b", 0.05), ("c", 0.05), ("d", 0.15), ("e", 0.1), ("f", 0.1)):
         assert getattr(model, k) == pytest.approx(TRUE[k], rel=tol), k
-    for v, lv, r, br in shapes:
-        true = TRUE["a"] + TRUE["b"] * v + TRUE["c"] * lv + TRUE["d"] * r + TRUE["e"] * br
-        assert model.predict(Shape(v, lv, r, br)) == pytest.approx(true, rel=0.03)
+    for shape in shapes:
+        assert model.predict(shape) == pytest.approx(true_seconds(shape), rel=0.03)
     assert model.samples == len(shapes) and 0 < model.rel_rms < 0.03
 
 
-def test_a_fit_without_branched_steps_prices_branching_at_zero():
+def test_a_fit_without_branched_or_plain_steps_prices_them_at_zero():
     """The local engine times no branched step (its tree attention is the same for any
-    tree): ``e`` is 0, not a guess, and the other coefficients are unchanged."""
+    tree) and runs a step with drafts as one without: ``e`` and ``f`` are 0, not a
+    guess, and the other coefficients are unchanged."""
     run_step, clock, _ = fake_forward(noise=0.0)
     model = measure(run_step, default_shapes(), repeats=1, warmup=0, clock=clock)
-    assert model.e == 0.0
+    assert model.e == 0.0 and model.f == 0.0
     for k in "abcd":
         assert getattr(model, k) == pytest.approx(TRUE[k], rel=1e-6), k
 
@@ -209,17 +217,14 @@ def test_online_correction_moves_prediction_towards_measured():
 
 
 def test_cost_model_json_round_trip_and_rejects():
-    m = CostModel(a=0.004, b=1e-4, c=0.0012, d=5e-5, samples=15, rel_rms=0.01)
+    m = CostModel(a=0.004, b=1e-4, c=0.0012, d=5e-5, e=2e-3, f=3e-3, samples=15, rel_rms=0.01)
     back = CostModel.from_json(m.to_json())
-    assert (back.a, back.b, back.c, back.d, back.samples, back.rel_rms) == (
-        0.004,
-        1e-4,
-        0.0012,
-        5e-5,
-        15,
-        0.01,
-    )
-    for bad in ({"a": -1, "b": 0, "c": 0, "d": 0}, {"a": 0, "b": 0, "c": 0}, '{"a": NaN}'):
+    got = (back.a, back.b, back.c, back.d, back.e, back.f, back.samples, back.rel_rms)
+    assert got == (0.004, 1e-4, 0.0012, 5e-5, 2e-3, 3e-3, 15, 0.01)
+    # a model given by hand may leave out the drafted step's ``f``: 0
+    assert CostModel.from_json({"a": 1, "b": 0, "c": 0, "d": 0, "e": 0}).f == 0.0
+    good = {"a": 0, "b": 0, "c": 0, "d": 0, "e": 0}
+    for bad in (dict(good, a=-1), {"a": 0, "b": 0, "c": 0}, '{"a": NaN}', dict(good, f=-1)):
         with pytest.raises(ValueError):
             CostModel.from_json(bad if isinstance(bad, str) else json.dumps(bad))
     with pytest.raises(ValueError):
@@ -269,6 +274,9 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
         # the format before ``e`` (branched trees): measured again, not read as e = 0
         b'{"format": "treespec.auto.cost_model", "version": 1, "key": KEY, "model": '
         b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "samples": 4, "rel_rms": 0.0}}',
+        # the format before ``f`` (a step with drafts): measured again, not read as f = 0
+        b'{"format": "treespec.auto.cost_model", "version": 2, "key": KEY, "model": '
+        b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "e": 0.0, "samples": 4, "rel_rms": 0}}',
     ],
 )
 def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, content):
@@ -482,7 +490,8 @@ def test_ties_go_to_the_cheaper_tree_and_bad_input_is_refused():
 
 
 def brute_force_rate(expected, cands, cost) -> float:
-    """max over every assignment of sum(tokens) / (a + b*V + c*max levels + d*R + e*B)."""
+    """max over every assignment of sum(tokens) / (a + b*V + c*max levels + d*R + e*B +
+    f*any drafted)."""
     best = 0.0
     for x in itertools.product(range(len(cands)), repeat=len(expected)):
         if any(expected[i][j] is None for i, j in enumerate(x)):
@@ -495,6 +504,7 @@ def brute_force_rate(expected, cands, cost) -> float:
             + cost.c * max(s.draft_levels for s in sh)
             + cost.d * sum(s.draft_rows for s in sh)
             + cost.e * sum(s.branched for s in sh)
+            + cost.f * max(s.drafted for s in sh)
         )
         best = max(best, tokens / sec)
     return best
@@ -502,20 +512,20 @@ def brute_force_rate(expected, cands, cost) -> float:
 
 @given(
     st.lists(st.lists(st.floats(0, 1), min_size=4, max_size=4), min_size=1, max_size=4),
-    st.tuples(*[st.floats(0, 0.01)] * 4),
+    st.tuples(*[st.floats(0, 0.01)] * 5),
 )
 def test_choose_is_the_exact_optimum(accepts, bcde):
     """Against every assignment: ``choose`` finds the best batch rate."""
     assert_choose_is_the_optimum(accepts, bcde)
 
 
-def assert_choose_is_the_optimum(accepts, bcde) -> None:
+def assert_choose_is_the_optimum(accepts, bcdef) -> None:
     """``choose``'s batch rate equals the best over every assignment, for yields ``1 +
-    depth_j * u_ij`` (any in ``[1, 1 + depth]``) and a cost ``(0.01, *bcde)`` (``CANDS``
-    has chains and a branched tree, so ``e`` is in play)."""
+    depth_j * u_ij`` (any in ``[1, 1 + depth]``) and a cost ``(0.01, *bcdef)`` (``CANDS``
+    has chains and a branched tree, so ``e`` is in play; ``f`` prices any drafted step)."""
     cands = make_candidates(CANDS)
     expected = [[1 + c.depth * u for c, u in zip(cands, row)] for row in accepts]
-    cost = CostModel(0.01, *bcde)
+    cost = CostModel(0.01, *bcdef)
     picks = choose(expected, cands, cost)
     idx = [cands.index(c) for c in picks]
     tokens = sum(expected[i][j] for i, j in enumerate(idx))
@@ -525,7 +535,7 @@ def assert_choose_is_the_optimum(accepts, bcde) -> None:
 
 @given(
     st.lists(st.lists(st.floats(0, 0.15), min_size=4, max_size=4), min_size=1, max_size=4),
-    st.tuples(*[st.floats(0, 0.01)] * 4),
+    st.tuples(*[st.floats(0, 0.01)] * 5),
 )
 def test_choose_is_the_exact_optimum_where_little_is_accepted(accepts, bcde):
     """Where drafts are rarely accepted ``choose`` mostly returns ``none`` for everyone
@@ -541,20 +551,39 @@ def test_a_branched_tree_pays_its_tree_attention():
     3.0 tokens / 18 ms < 2.5 / 14 ms. Where tries do not branch, ``e`` changes nothing."""
     cands = make_candidates(["ngram:budget=4"])  # none, the trie
     rows = [[1.0, 1.5], [1.0, 1.5]]
-    built = [{1: Shape(3, 0, 0, 0)}, {1: Shape(3, 0, 0, 1)}]
+    built = [{1: Shape(3, 0, 0, 0, 1)}, {1: Shape(3, 0, 0, 1, 1)}]
     free = CostModel(a=0.010, b=0.001, c=0.0, d=0.0)
     priced = CostModel(a=0.010, b=0.001, c=0.0, d=0.0, e=0.004)
     assert names(choose(rows, cands, free, built)) == ["ngram:budget=4"] * 2
     assert names(choose(rows, cands, priced, built)) == ["ngram:budget=4", "none"]
-    chains = [{1: Shape(3, 0, 0, 0)}] * 2
+    chains = [{1: Shape(3, 0, 0, 0, 1)}] * 2
     assert names(choose(rows, cands, priced, chains)) == ["ngram:budget=4"] * 2
+
+
+def test_a_drafted_step_pays_its_fixed_cost_once():
+    """By hand, vLLM at batch 8: a plain step 6 ms, 3 ms more for any step with a draft
+    (``f``: its speculative path), rows free. One request whose trie yields 2.5 tokens:
+    9.5 tokens / 9 ms < 8 / 6 ms: none for all (without ``f`` it drafts). Four such
+    requests share the 3 ms: 14 / 9 ms > 8 / 6 ms: all four draft. The all-``none``
+    step is priced without ``f``; a step with a trie, with it."""
+    cands = make_candidates(["ngram:budget=4"])  # none, the trie
+    cost = CostModel(a=0.006, b=0.0, c=0.0, d=0.0, f=0.003)
+    one = [[1.0, 2.5]] + [[1.0, None]] * 7  # the others' tries found no match
+    assert names(choose(one, cands, cost)) == ["none"] * 8
+    assert names(choose(one, cands, CostModel(a=0.006, b=0.0, c=0.0, d=0.0)))[0] != "none"
+    four = [[1.0, 2.5]] * 4 + [[1.0, None]] * 4
+    assert names(choose(four, cands, cost)) == ["ngram:budget=4"] * 4 + ["none"] * 4
+    assert cost.raw(auto.batch_shape([cands[0].shape] * 8)) == pytest.approx(0.006)
+    assert cost.raw(auto.batch_shape([cands[1].shape] + [cands[0].shape] * 7)) == (
+        pytest.approx(0.009)
+    )
 
 
 def test_a_step_trie_knows_whether_it_branches():
     cands = make_candidates(["ngram:budget=8"])
     chain = step_tries([5, 6, 7, 5], cands)["ngram:budget=8"]  # 5 was followed by 6
     fork = step_tries([5, 6, 5, 7, 5], cands)["ngram:budget=8"]  # by 6, then by 7
-    assert chain.shape == Shape(4, 0, 0, 0)
+    assert chain.shape == Shape(4, 0, 0, 0, 1)  # a trie is a draft: never a plain step
     assert fork.shape.branched == 1 and fork.shape.verify_rows == fork.tree.num_nodes
     assert is_branched(fork.tree) == 1 and is_branched([-1]) == 0
 
@@ -764,7 +793,7 @@ def test_predicted_and_measured_step_seconds_in_the_stats():
 
 def test_candidate_name_shape_depth():
     c = Candidate(parse_tree_spec("chain:3"), sampled_drafts=True)
-    assert (c.name, c.shape, c.depth) == ("chain:3+sampled", (4, 3, 3, 0), 3)
+    assert (c.name, c.shape, c.depth) == ("chain:3+sampled", (4, 3, 3, 0, 1), 3)
 
 
 def test_docstring_examples_hold():
@@ -816,7 +845,7 @@ def test_unavailable_tries_are_neither_chosen_nor_learnt():
     tries = {"r": step_tries([1, 2, 3, 1], cands)}  # the root and 2, 3, 1: 4 nodes
     assert tries["r"]["ngram:budget=8"].tree.num_nodes == 4
     assert policy.choose([("r", 0.0)], tries=tries)["r"].name == "ngram:budget=8"
-    assert policy.step_shape == Shape(4, 0, 0)  # the trie as built, not its budget's 9
+    assert policy.step_shape == Shape(4, 0, 0, 0, 1)  # the trie as built, not its budget's 9
 
 
 def test_a_built_trie_is_priced_at_its_nodes_and_read_to_its_depth():
@@ -833,7 +862,7 @@ def test_a_built_trie_is_priced_at_its_nodes_and_read_to_its_depth():
     policy.record([step_of("r", 0, 0)])
     tries = {"r": step_tries([5, 6, 5], policy.candidates)}  # continuation 6, 5: 2 nodes
     assert policy.choose([("r", 0.0)], tries=tries)["r"].name == "ngram:budget=8"
-    assert policy.step_shape == Shape(3, 0, 0)
+    assert policy.step_shape == Shape(3, 0, 0, 0, 1)
 
 
 def test_a_trie_known_to_reach_a_depth_reads_the_rates_of_trees_that_reached_it():
@@ -930,8 +959,8 @@ def test_vllm_refit_records_the_realised_step_shape(tmp_path):
     fork = RequestStep("c", 5, [1] * 6, [-1, 0, 0], [7, 8, 9], 1, [0], [8])
     va.on_step_event(SimpleNamespace(requests=[chain, fork]))  # "b" verified no tree
     va.step_done()
-    assert list(va.samples)[-1][0] == Shape(4 + 1 + 3, 0, 0, 1)
-    assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0, 1)
+    assert list(va.samples)[-1][0] == Shape(4 + 1 + 3, 0, 0, 1, 1)
+    assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0, 1, 1)
 
 
 def test_record_sets_the_seconds_against_the_realised_shape():
@@ -939,10 +968,10 @@ def test_record_sets_the_seconds_against_the_realised_shape():
     the measured seconds are those of 3 rows, so the prediction for 3 rows is no error
     and the correction stays 1 (set against the nominal 9 rows it falls below 0.9)."""
     corrections = []
-    for shape in (Shape(3, 0, 0), None):
+    for shape in (Shape(3, 0, 0, 0, 1), None):
         policy = AutoPolicy(["ngram:budget=8"], CostModel(a=0.010, b=0.001, c=0.0, d=0.0))
         assert policy.choose([("r", 0.0)])["r"].name == "ngram:budget=8"  # optimism
-        assert policy.step_shape == Shape(9, 0, 0, 1)
+        assert policy.step_shape == Shape(9, 0, 0, 1, 1)
         policy.record([step_of("r", 2, 1)], seconds=0.013, shape=shape)
         stats = policy.stats.as_dict()
         want = 0.013 if shape is not None else 0.019
@@ -1006,7 +1035,7 @@ def test_a_model_tree_is_priced_with_its_catch_up():
             pick = policy.choose([("r", 0.0)], behind={"r": late})["r"].name
             picks[accepted, late] = pick
             if pick != "none":
-                assert policy.step_shape == Shape(5, 4, 4 + min(late, 32))
+                assert policy.step_shape == Shape(5, 4, 4 + min(late, 32), 0, 1)
             policy._pending = {}  # not recorded: the estimate stays where it is
     assert picks == {
         (2, 0): "chain:4",
@@ -1078,7 +1107,7 @@ def test_a_probe_pays_its_whole_catch_up():
             pick = policy.choose([("r", 0.0)], behind={"r": late})["r"]
             runs[late] += pick.name == "chain:4"
             if pick.name == "chain:4":
-                assert policy.step_shape == auto.with_catch_up(Shape(5, 4, 4), late)
+                assert policy.step_shape == auto.with_catch_up(Shape(5, 4, 4, 0, 1), late)
             policy.record([step_of("r", pick.depth, 0)])
     assert runs[10] >= 3, runs  # probes ran (4 of 40 steps: each failure lowers the bound)
     assert runs[200] == 0, runs
@@ -1118,7 +1147,7 @@ def test_vllm_refit_counts_a_model_trees_catch_up():
     tree = RequestStep("a", 2, [1] * 3, [-1, 0, 1], [7, 8, 9], 2, [0, 1], [8, 4])
     va.on_step_event(SimpleNamespace(requests=[tree]))  # "b": vLLM verified no tree
     va.step_done()
-    assert list(va.samples)[-1][0] == Shape(3 + 1, 2, 2 + 5)
+    assert list(va.samples)[-1][0] == Shape(3 + 1, 2, 2 + 5, 0, 1)
 
 
 def test_a_probed_trie_keeps_its_own_nodes_far_behind(monkeypatch):
@@ -1143,9 +1172,9 @@ def test_a_probed_trie_keeps_its_own_nodes_far_behind(monkeypatch):
     policy.choose([("r", 0.0)], tries={"r": {"ngram:budget=8": trie}}, behind={"r": 100})
     cands, shapes = seen[-1]
     j = [c.name for c in cands].index("ngram:budget=8")
-    assert shapes[0][j] == Shape(4, 0, 0)
+    assert shapes[0][j] == Shape(4, 0, 0, 0, 1)
     k = [c.name for c in cands].index("chain:4")  # the model tree: 32 rows of catch-up
-    assert shapes[0][k] == auto.with_catch_up(Shape(5, 4, 4), 32)
+    assert shapes[0][k] == auto.with_catch_up(Shape(5, 4, 4, 0, 1), 32)
 
 
 def test_vllm_refit_waits_for_distinct_shapes_among_the_kept_samples(tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ class LocalAuto:
         same keys as the vLLM plugin's ``treespec_tree_stats()["auto"]``)."""
         out = self.auto.stats.as_dict()
         out["candidates"] = [c.name for c in self.candidates]
-        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcde"}
+        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcdef"}
         out["cost_model_measured"] = self.measured
         return out
 
@@ -161,7 +161,8 @@ class LocalAuto:
                 rows = engine.last_verify_rows
                 levels = engine.forwards["draft"] - levels0
                 if k > 0:  # the first drafted step carries the catch-up on the prompt
-                    out.append((Shape(rows, levels, shape.draft_rows if levels else 0), seconds))
+                    rows_d = shape.draft_rows if levels else 0
+                    out.append((Shape(rows, levels, rows_d, 0, shape.drafted), seconds))
         finally:
             for i in ids:
                 engine.abort(i)

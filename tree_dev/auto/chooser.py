@@ -30,21 +30,23 @@ from tree_dev.step import TRUNK_LIMIT
 def batch_shape(shapes: Iterable[Shape]) -> Shape:
     """A batch step's shape: verify and draft rows and branched trees add up; draft levels
     are the deepest request's (each level is one packed draft forward over every request
-    still growing)."""
-    v = lv = r = br = 0
+    still growing); ``drafted`` is 1 when any request's is."""
+    v = lv = r = br = dr = 0
     for s in shapes:
-        v, lv, r, br = v + s[0], max(lv, s[1]), r + s[2], br + s[3]
-    return Shape(v, lv, r, br)
+        v, lv, r, br, dr = v + s[0], max(lv, s[1]), r + s[2], br + s[3], max(dr, s[4])
+    return Shape(v, lv, r, br, dr)
 
 
 def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) -> np.ndarray:
-    """Dinkelbach on ``sum(e[i, x_i]) / cost(sum rows, cap)``: repeat ``x = argmax_x
-    sum(e) - lam * cost``, separable per request, with ``lam`` the last ratio, until no
-    choice improves on ``lam`` (finite: ``lam`` grows strictly). ``rows[i, j]``: request
-    ``i``'s verify rows, draft rows and branched trees under candidate ``j``. Ties: the
-    first column."""
+    """Dinkelbach on ``sum(e[i, x_i]) / cost(sum rows, cap, drafted)``: repeat ``x =
+    argmax_x sum(e) - lam * cost``, separable per request, with ``lam`` the last ratio,
+    until no choice improves on ``lam`` (finite: ``lam`` grows strictly). ``rows[i,
+    j]``: request ``i``'s verify rows, draft rows and branched trees under candidate
+    ``j``. The step is charged ``f`` (a step with drafts) whatever is chosen: exact for
+    every assignment that drafts, which ``choose`` sets against the one that does not.
+    Ties: the first column."""
     per_row = cost.additive(rows)  # [requests, candidates]
-    fixed = cost.a + cost.c * cap
+    fixed = cost.a + cost.c * cap + cost.f
     idx = np.arange(len(e))
     x = np.argmax(e, axis=1)  # lam = 0: most tokens
     for _ in range(100):
@@ -64,15 +66,16 @@ def _nothing_pays(
     candidates: Sequence[Candidate],
     rows: np.ndarray,
     levels: np.ndarray,
+    drafted: np.ndarray,
     cost: CostModel,
 ) -> int | None:
     """The index of ``none`` when giving it to every request is optimal by a sufficient
     test, else None (``choose`` then solves). With ``R0`` the all-``none`` rate, no set
     of switches can beat it when each request's gain from each candidate is at most
-    ``R0`` times that candidate's own rows' cost plus ``1 / n`` of its draft levels' (the
-    levels a batch of ``n`` shares at best): summed over any switched set, the gains stay
-    within ``R0`` times the added seconds. Most steps of a batch where no tree pays end
-    here, without the solver."""
+    ``R0`` times that candidate's own rows' cost plus ``1 / n`` of its draft levels' and
+    of a drafted step's ``f`` (what a batch of ``n`` shares at best): summed over any
+    switched set, the gains stay within ``R0`` times the added seconds. Most steps of a
+    batch where no tree pays end here, without the solver."""
     j0 = next((j for j, c in enumerate(candidates) if draft_source(c) is None), None)
     if j0 is None or not np.all(np.isfinite(e[:, j0])):
         return None
@@ -83,7 +86,7 @@ def _nothing_pays(
         return None
     r0 = float(e[:, j0].sum()) / seconds
     added = per - per[:, j0, None]
-    allowance = r0 * (added + cost.c * levels / n)
+    allowance = r0 * (added + (cost.c * levels + cost.f * drafted) / n)
     gain = e - e[:, j0, None]
     ok = ~np.isfinite(e) | (gain <= allowance)
     return j0 if bool(ok.all()) else None
@@ -102,9 +105,10 @@ def choose(
     this step where it is not the candidate's own (a trie built before the choice,
     priced at its nodes). Objective: ``sum_i expected[i][x_i] / cost(batch_shape)``.
     Exact: for every cap ``L`` on draft levels (the shapes' distinct ones), Dinkelbach's
-    iteration (``_best_under_cap``) solves the ratio, which is then scored at its true
-    deepest level; the best cap wins (ties: the smaller cap, then the earlier candidate:
-    with ``make_candidates``' order, the cheaper tree).
+    iteration (``_best_under_cap``, a drafted step's ``f`` charged) solves the ratio,
+    which is then scored at its true shape; the best cap wins, unless ``none`` for every
+    request, scored alone (no ``f``), beats it (ties: ``none``, then the smaller cap,
+    then the earlier candidate: with ``make_candidates``' order, the cheaper tree).
 
     >>> cands = make_candidates(["chain:4"])  # [none, chain:4]
     >>> cost = CostModel(a=0.010, b=0.0, c=0.002, d=0.0)  # chain:4: 18 ms vs 10 ms
@@ -125,14 +129,19 @@ def choose(
     for i, over in enumerate(shapes or ()):
         for j, sh in over.items():
             per[i][j] = sh
-    # [requests, candidates, (verify_rows, draft_levels, draft_rows, branched)], one call
-    sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 4)
+    # [requests, candidates, (verify_rows, draft_levels, draft_rows, branched, drafted)]
+    sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 5)
     rows = sizes[..., [0, 2, 3]].astype(float)  # what adds up over requests
-    levels = sizes[..., 1]
-    nothing = _nothing_pays(e, candidates, rows, levels, cost_model)
+    levels, drafted = sizes[..., 1], sizes[..., 4]
+    nothing = _nothing_pays(e, candidates, rows, levels, drafted, cost_model)
     if nothing is not None:
         return [candidates[nothing]] * len(e)
     best, best_rate = None, -1.0
+    j0 = next((j for j, c in enumerate(candidates) if draft_source(c) is None), None)
+    if j0 is not None and np.all(np.isfinite(e[:, j0])) and not drafted[:, j0].any():
+        best = np.full(len(e), j0)  # no draft anywhere: vLLM's plain step, no ``f``
+        plain = cost_model.raw(batch_shape(r[j0] for r in per))
+        best_rate = float(e[:, j0].sum()) / max(plain, 1e-30)
     for cap in sorted(set(levels.ravel().tolist())):
         ec = np.where(levels <= cap, e, -np.inf)
         if not np.all(np.isfinite(ec).any(axis=1)):

@@ -43,16 +43,17 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 @dataclass
 class CostModel:
     """Step seconds = ``correction * (a + b*verify_rows + c*draft_levels + d*draft_rows +
-    e*branched)``.
+    e*branched + f*drafted)``.
 
-    ``a..e`` >= 0 (seconds, seconds per row / level / branched tree), fitted by ``fit``;
+    ``a..f`` >= 0 (seconds, seconds per row / level / branched tree, seconds of a step
+    that verifies any draft over a plain one), fitted by ``fit``;
     ``correction`` follows the measured steps (``observe``): ``sum(decay^i * measured_i) /
     sum(decay^i * raw_i)`` over past steps, clipped to ``bounds``. A uniform factor: it
     never changes which trees win, only the predicted seconds.
 
-    >>> m = CostModel(a=0.010, b=0.0001, c=0.001, d=0.0, e=0.002)
-    >>> round(m.predict(Shape(33, 6, 21)), 6), round(m.predict(Shape(33, 6, 21, 1)), 6)
-    (0.0193, 0.0213)
+    >>> m = CostModel(a=0.010, b=0.0001, c=0.001, d=0.0, e=0.002, f=0.003)
+    >>> round(m.predict(Shape(33, 6, 21)), 6), round(m.predict(Shape(33, 6, 21, 1, 1)), 6)
+    (0.0193, 0.0243)
     """
 
     a: float
@@ -60,6 +61,7 @@ class CostModel:
     c: float
     d: float
     e: float = 0.0
+    f: float = 0.0
     correction: float = 1.0
     correction_decay: float = 0.9
     bounds: tuple[float, float] = (0.5, 2.0)
@@ -70,8 +72,8 @@ class CostModel:
 
     def raw(self, shape: Shape | Sequence[int]) -> float:
         """The fitted seconds of a step of ``shape``, uncorrected."""
-        v, lv, r, br = Shape(*shape)
-        return self.a + self.b * v + self.c * lv + self.d * r + self.e * br
+        v, lv, r, br, dr = Shape(*shape)
+        return self.a + self.b * v + self.c * lv + self.d * r + self.e * br + self.f * dr
 
     def additive(self, parts: np.ndarray) -> np.ndarray:
         """The seconds of the parts of a step that add up over requests: ``parts[...,
@@ -110,19 +112,20 @@ class CostModel:
 
     def to_json(self) -> str:
         """The fitted coefficients as JSON (the online correction is per run: not kept)."""
-        keys = ("a", "b", "c", "d", "e", "samples", "rel_rms")
+        keys = ("a", "b", "c", "d", "e", "f", "samples", "rel_rms")
         return json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any]) -> CostModel:
         """Inverse of ``to_json`` (a string or its parsed dict); ``ValueError`` when a
-        coefficient (``a`` to ``e``) is missing, not a finite number >= 0."""
+        coefficient (``a`` to ``e``; ``f`` may be left out: 0) is missing, not a finite
+        number >= 0."""
         obj = json.loads(text) if isinstance(text, str) else dict(text)
         if not isinstance(obj, dict):
             raise ValueError("cost model JSON is not an object")
         coef = []
-        for k in "abcde":
-            v = obj.get(k)
+        for k in "abcdef":
+            v = obj.get(k, 0.0 if k == "f" else None)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"cost model coefficient {k}={v!r} is not a number >= 0")
             if not math.isfinite(v):
@@ -137,8 +140,9 @@ def default_shapes(
     draft_rows: Sequence[int] = (0, 8, 32),
 ) -> list[Shape]:
     """The grid ``measure`` times: every combination a step can have (no draft rows without
-    draft levels and the reverse; at least one draft row per level). Unbranched: the
-    local engine's tree attention is the same for a chain and a tree."""
+    draft levels and the reverse; at least one draft row per level). Unbranched, and
+    ``drafted`` 0: the local engine's tree attention is the same for a chain and a tree,
+    and a step with drafts runs the same path as one without."""
     return [
         Shape(v, lv, r)
         for v in verify_rows
@@ -202,8 +206,9 @@ def cache_key(model: str, dtype: object, device: str | None = None) -> dict[str,
 
 
 _FORMAT = "treespec.auto.cost_model"
-#: 2: the ``e`` term (branched trees); a file of version 1 has none and is measured again
-_VERSION = 2
+#: 2: the ``e`` term (branched trees); 3: the ``f`` term (a step with drafts); a file of
+#: an older version has neither and is measured again
+_VERSION = 3
 #: Where the engines cache measured cost models: ``$TREESPEC_CACHE_DIR/auto``, else
 #: ``~/.cache/treespec/auto``.
 CACHE_ENV = "TREESPEC_CACHE_DIR"

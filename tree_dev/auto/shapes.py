@@ -40,19 +40,25 @@ class Shape(NamedTuple):
     trees verified with a branch (0 or 1 for one request; a batch adds them up). Inside
     vLLM a branched tree costs tree attention in every layer (on SmolLM2 here about 8 ms
     a tree at 4 concurrent, a fifth of a step), while a chain's rows are vLLM's own
-    causal kernel's; the local engine's cost fits find no such term.
+    causal kernel's; the local engine's cost fits find no such term. ``drafted``: 1 when
+    the step verifies any draft (a batch takes the largest): inside vLLM a step where
+    every request gets ``none`` stays on vLLM's plain path, and the first tree of a step
+    moves the whole batch to the speculative one (its rejection sampler, spec metadata,
+    a second propose pass): a fixed cost no row count carries (on the toy model at batch
+    8, one lone tree added 2.8 ms to a 5.9 ms plain step, most of it this).
     """
 
     verify_rows: int
     draft_levels: int
     draft_rows: int
     branched: int = 0
+    drafted: int = 0
 
 
 def policy_shape(policy: Policy) -> Shape:
     """One request's verify rows, draft levels and draft rows under ``policy``.
 
-    - ``none``: ``(1, 0, 0, 0)``; ``ngram``: ``(budget + 1, 0, 0, 1)`` (no draft model;
+    - ``none``: ``(1, 0, 0, 0, 0)``; ``ngram``: ``(budget + 1, 0, 0, 1)`` (no draft model;
       a trie may branch: one built for a step is priced as built, ``trie_shape``).
     - static (``chain:K``, ``paths``, ``medusa``): ``(N, D, 1 + F, B)``: ``N`` nodes,
       ``D`` the tree's depth (``TreeExpansion`` forwards one level per depth holding a
@@ -64,6 +70,7 @@ def policy_shape(policy: Policy) -> Shape:
       forwarded (``k=1``: a chain, ``B`` 0).
     - ``hybrid``: verify ``1 + min(budget, topk candidates + ngram budget)``; draft levels
       and rows its top-K part's (the trie costs the draft nothing); branched.
+    - every policy but ``none``: ``drafted`` 1.
 
     When the draft runs, ``draft_rows - 1`` is ``spec.draft_slots`` (the root's KV slot is
     the trunk's).
@@ -72,23 +79,24 @@ def policy_shape(policy: Policy) -> Shape:
 
     >>> from tree_dev.spec import parse_tree_spec
     >>> policy_shape(parse_tree_spec("topk:k=4,depth=6,budget=32"))
-    Shape(verify_rows=33, draft_levels=6, draft_rows=21, branched=1)
+    Shape(verify_rows=33, draft_levels=6, draft_rows=21, branched=1, drafted=1)
     """
     if isinstance(policy, NoDraftPolicy):
         return Shape(1, 0, 0)
     if isinstance(policy, NgramPolicy):
-        return Shape(policy.budget + 1, 0, 0, int(policy.budget > 1))
+        return Shape(policy.budget + 1, 0, 0, int(policy.budget > 1), 1)
     if isinstance(policy, StaticPolicy):
         tree = policy.tree
-        return Shape(tree.num_nodes, tree.max_depth, 1 + draft_slots(policy), is_branched(tree))
+        slots = 1 + draft_slots(policy)
+        return Shape(tree.num_nodes, tree.max_depth, slots, is_branched(tree), 1)
     if isinstance(policy, TopKPolicy):
         k, depth = policy.k, policy.depth
         made = k + (depth - 1) * k * k
-        return Shape(1 + min(policy.budget, made), depth, 1 + draft_slots(policy), int(k > 1))
+        return Shape(1 + min(policy.budget, made), depth, 1 + draft_slots(policy), int(k > 1), 1)
     if isinstance(policy, HybridPolicy):
         top = policy_shape(policy.topk)
         nodes = min(policy.budget, top.verify_rows - 1 + policy.ngram.budget)
-        return Shape(1 + nodes, top.draft_levels, top.draft_rows, 1)
+        return Shape(1 + nodes, top.draft_levels, top.draft_rows, 1, 1)
     raise TypeError(f"not a tree policy: {policy!r}")
 
 
@@ -112,12 +120,12 @@ def with_catch_up(shape: Shape, behind: int) -> Shape:
     ``step.TRUNK_LIMIT`` go first in chunks of ``step.CATCH_UP_CHUNK``, a packed forward
     (a draft level) each. Undrafted shapes (``none``, a trie) are returned as they are.
 
-    >>> with_catch_up(Shape(5, 4, 4), 3)
-    Shape(verify_rows=5, draft_levels=4, draft_rows=7, branched=0)
-    >>> with_catch_up(Shape(5, 4, 4), 300)  # 2 chunks of catch-up first
-    Shape(verify_rows=5, draft_levels=6, draft_rows=304, branched=0)
-    >>> with_catch_up(Shape(9, 0, 0, 1), 300)
-    Shape(verify_rows=9, draft_levels=0, draft_rows=0, branched=1)
+    >>> with_catch_up(Shape(5, 4, 4, 0, 1), 3)
+    Shape(verify_rows=5, draft_levels=4, draft_rows=7, branched=0, drafted=1)
+    >>> with_catch_up(Shape(5, 4, 4, 0, 1), 300)  # 2 chunks of catch-up first
+    Shape(verify_rows=5, draft_levels=6, draft_rows=304, branched=0, drafted=1)
+    >>> with_catch_up(Shape(9, 0, 0, 1, 1), 300)
+    Shape(verify_rows=9, draft_levels=0, draft_rows=0, branched=1, drafted=1)
     """
     if shape.draft_levels == 0 or behind <= 0:
         return shape
@@ -177,8 +185,8 @@ class Trie(NamedTuple):
 
     @property
     def shape(self) -> Shape:
-        """The step shape of running it: its own nodes, branched or not, no draft."""
-        return Shape(self.tree.num_nodes, 0, 0, is_branched(self.tree))
+        """The step shape of running it: its own nodes, branched or not, no draft model."""
+        return Shape(self.tree.num_nodes, 0, 0, is_branched(self.tree), 1)
 
 
 def step_tries(context: Sequence[int], candidates: Iterable[Candidate]) -> dict[str, Trie | None]:

@@ -42,9 +42,9 @@ from tree_dev.spec import AutoTreePolicy
 from tree_dev.step import StepEvent
 
 #: the cost model before any measurement: relative costs (a step, a verify row, a draft
-#: level, a draft row, a branched tree's tree attention), about a small model on a CPU at
-#: batch 1
-START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005, e=0.1)
+#: level, a draft row, a branched tree's tree attention, a step with drafts over a plain
+#: one), about a small model on a CPU at batch 1
+START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005, e=0.1, f=0.2)
 REFIT_EVERY = 64
 KEEP = 1024
 MIN_SHAPES = 4
@@ -88,7 +88,7 @@ class VllmAuto:
     def stats(self) -> dict:
         out = self.auto.stats.as_dict()
         out["candidates"] = [c.name for c in self.auto.candidates]
-        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcde"}
+        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcdef"}
         out["cost_model_measured"] = self.measured
         out["samples"] = len(self.samples)
         return out
@@ -137,15 +137,18 @@ class VllmAuto:
         for a request with no verified tree (``none``, a trie without a match); draft
         levels and rows of the candidate when its tree was drafted by the model, its
         catch-up included (``shapes.with_catch_up``); branched as the verified tree is
-        (the runner gives a chain's rows to vLLM's own kernel)."""
+        (the runner gives a chain's rows to vLLM's own kernel); drafted when any tree was
+        verified (the step left vLLM's plain path)."""
         parts = []
         for rid, cand in self._chosen.items():
             step = got.get(rid)
             if step is None:
                 parts.append(Shape(1, 0, 0))
             else:
-                _, levels, rows, _ = with_catch_up(cand.shape, self._behind.get(rid, 0))
-                parts.append(Shape(len(step.parents), levels, rows, is_branched(step.parents)))
+                caught = with_catch_up(cand.shape, self._behind.get(rid, 0))
+                levels, rows = caught.draft_levels, caught.draft_rows
+                branched = is_branched(step.parents)
+                parts.append(Shape(len(step.parents), levels, rows, branched, 1))
         return batch_shape(parts)
 
     def choose(
