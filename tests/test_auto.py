@@ -274,6 +274,9 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
         # the format before ``e`` (branched trees): measured again, not read as e = 0
         b'{"format": "treespec.auto.cost_model", "version": 1, "key": KEY, "model": '
         b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "samples": 4, "rel_rms": 0.0}}',
+        # an anchor row that is not a step's counts and seconds
+        b'{"format": "treespec.auto.cost_model", "version": 3, "key": KEY, "model": '
+        b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "e": 0.0}, "anchor": [[1, 0, 0, 0, 0, -1]]}',
         # the format before ``f`` (a step with drafts): measured again, not read as f = 0
         b'{"format": "treespec.auto.cost_model", "version": 2, "key": KEY, "model": '
         b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "e": 0.0, "samples": 4, "rel_rms": 0}}',
@@ -959,7 +962,7 @@ def test_vllm_refit_records_the_realised_step_shape(tmp_path):
     fork = RequestStep("c", 5, [1] * 6, [-1, 0, 0], [7, 8, 9], 1, [0], [8])
     va.on_step_event(SimpleNamespace(requests=[chain, fork]))  # "b" verified no tree
     va.step_done()
-    assert list(va.samples)[-1][0] == Shape(4 + 1 + 3, 0, 0, 1, 1)
+    assert list(va.anchor)[-1][0] == Shape(4 + 1 + 3, 0, 0, 1, 1)  # forced: the anchor
     assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0, 1, 1)
 
 
@@ -1147,7 +1150,7 @@ def test_vllm_refit_counts_a_model_trees_catch_up():
     tree = RequestStep("a", 2, [1] * 3, [-1, 0, 1], [7, 8, 9], 2, [0, 1], [8, 4])
     va.on_step_event(SimpleNamespace(requests=[tree]))  # "b": vLLM verified no tree
     va.step_done()
-    assert list(va.samples)[-1][0] == Shape(3 + 1, 2, 2 + 5, 0, 1)
+    assert list(va.anchor)[-1][0] == Shape(3 + 1, 2, 2 + 5, 0, 1)
 
 
 def test_a_probed_trie_keeps_its_own_nodes_far_behind(monkeypatch):
@@ -1206,3 +1209,55 @@ def test_vllm_refit_waits_for_distinct_shapes_among_the_kept_samples(tmp_path, m
     assert fits == []
     timed(6)  # {3, 4, 5, 6}
     assert fits == [8]
+
+
+def vllm_step(va, prefill: int = 0, seconds_before: float = 0.0) -> None:
+    """One step of a ``VllmAuto`` for requests "a" and "b", none verified a tree (a plain
+    step of 2 rows), ``prefill`` prompt tokens beside them."""
+    va.choose([("a", 0.8), ("b", 0.8)])
+    va.drafted()
+    va.step_begin(prefill)
+    va.step_done()
+
+
+def test_vllm_a_step_that_prefilled_is_not_timed(tmp_path):
+    """A step that also ran prompt tokens (a request admitted beside the decoding ones)
+    is no sample of its shape and no correction; its acceptance still counts."""
+    from tree_dev.spec import parse_tree_spec
+    from tree_dev.vllm_plugin.auto_choice import VllmAuto
+
+    policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
+    va = VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
+    vllm_step(va)
+    assert [s for s, _ in va.samples] == [Shape(2, 0, 0, 0, 0)]  # plain: no draft
+    vllm_step(va, prefill=48)
+    assert len(va.samples) == 1 and va.stats["prefill_steps"] == 1
+    assert va.auto.stats.steps == 2 and va.auto.stats.measured_steps == 1
+
+
+def test_vllm_refits_keep_the_forced_steps_anchor(tmp_path):
+    """The coefficients ``TRUE`` (``f``: 1.5 ms for a step with drafts) from forced steps
+    (plain steps of 1 and 4 rows, tries of 3 and 6 rows) beside served ones that cannot
+    tell ``f`` from a row's cost (plain steps of 8 rows; drafted ones of 12): a refit
+    keeps the anchor and finds ``f``; served steps alone do not. The anchor is cached
+    with the fit and read back by the next engine."""
+    from tree_dev.spec import parse_tree_spec
+    from tree_dev.vllm_plugin.auto_choice import VllmAuto
+
+    policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
+    va = VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
+    forced = [Shape(1, 0, 0), Shape(4, 0, 0), Shape(3, 0, 0, 0, 1), Shape(6, 0, 0, 0, 1)]
+    forced += [Shape(12, 0, 0, 0, 1), Shape(24, 0, 0, 0, 1)]
+    served = [Shape(8, 0, 0), Shape(12, 0, 0, 0, 1)] * 40
+    rng = np.random.default_rng(0)
+    va.anchor.extend((sh, true_seconds(sh)) for sh in forced)
+    for sh in served:
+        va._keep_sample(sh, true_seconds(sh) * (1 + 0.02 * rng.standard_normal()))
+    va.fit_now()
+    m = va.auto.cost_model
+    assert m.f == pytest.approx(TRUE["f"], rel=0.2) and m.b == pytest.approx(TRUE["b"], rel=0.2)
+    alone = CostModel.fit(list(va.samples))  # served steps alone: f is not identified
+    assert not alone.f == pytest.approx(TRUE["f"], rel=0.2)
+    again = VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
+    assert list(again.anchor) == list(va.anchor) and again.measured
+    assert again.auto.cost_model.f == pytest.approx(m.f)

@@ -67,6 +67,9 @@ class CostModel:
     bounds: tuple[float, float] = (0.5, 2.0)
     samples: int = 0  # steps the fit used
     rel_rms: float = 0.0  # the fit's relative RMS error on them
+    #: ``(shape, seconds)`` of controlled steps (a candidate forced) that an engine's
+    #: online refits keep (``vllm_plugin.auto_choice``); cached with the model
+    anchor: list[tuple[Shape, float]] = field(default_factory=list, repr=False)
     _num: float = field(default=0.0, repr=False, init=False)
     _den: float = field(default=0.0, repr=False, init=False)
 
@@ -236,6 +239,7 @@ def save_cost_model(directory: str | os.PathLike, key: Mapping[str, str], model:
         "version": _VERSION,
         "key": dict(key),
         "model": json.loads(model.to_json()),
+        "anchor": [[*map(int, s), float(t)] for s, t in model.anchor],
     }
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
@@ -248,6 +252,23 @@ def save_cost_model(directory: str | os.PathLike, key: Mapping[str, str], model:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _anchor_of(rows: object) -> list[tuple[Shape, float]]:
+    """A cache file's anchor rows ``[verify_rows, draft_levels, draft_rows, branched,
+    drafted, seconds]`` as ``(Shape, seconds)``; ``ValueError`` naming the first bad row."""
+    if not isinstance(rows, list):
+        raise ValueError(f"anchor is not a list: {type(rows).__name__}")
+    out = []
+    for i, row in enumerate(rows):
+        ok = isinstance(row, list) and len(row) == len(Shape._fields) + 1
+        counts = row[:-1] if ok else []
+        ints = ok and all(type(v) is int and v >= 0 for v in counts)
+        t = row[-1] if ok else None
+        if not (ints and isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ValueError(f"anchor row {i} {row!r} is not 5 counts >= 0 and seconds > 0")
+        out.append((Shape(*row[:-1]), float(t)))
+    return out
 
 
 def load_cost_model(directory: str | os.PathLike, key: Mapping[str, str]) -> CostModel | None:
@@ -265,7 +286,9 @@ def load_cost_model(directory: str | os.PathLike, key: Mapping[str, str]) -> Cos
             raise ValueError(f"format version {doc.get('version')!r}, not {_VERSION}")
         if doc.get("key") != dict(key):
             raise ValueError(f"its key {doc.get('key')!r} is not {dict(key)!r}")
-        return CostModel.from_json(doc["model"])
+        model = CostModel.from_json(doc["model"])
+        model.anchor = _anchor_of(doc.get("anchor", []))
+        return model
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
         warnings.warn(f"ignoring the cost-model cache {path}: {e}", RuntimeWarning, stacklevel=2)
         return None

@@ -13,6 +13,15 @@ when there is one; else it starts from ``START`` (relative costs: one step, a ve
 a draft level, a draft row) and is refitted online, every ``REFIT_EVERY`` measured steps,
 to the last ``KEEP`` ``(shape, seconds)`` samples (``CostModel.fit``), once they hold at
 least ``MIN_SHAPES`` distinct shapes; each fit is cached (atomically) for the next start.
+
+Every refit keeps the **anchor**: the steps timed with a candidate forced
+(``calibrate_auto``: each candidate at 1 and 4 requests, plain steps among them), cached
+with the fit. Served traffic alone cannot tell the coefficients apart: a batch of 8
+mostly given ``none`` is plain steps of 8 rows, and its few drafted steps have both more
+rows and the speculative path, so a fit to them alone puts a drafted step's fixed cost
+``f`` into the cost of a row (the toy at batch 8: ``f`` 0.42 ms calibrated, 0 after a run
+served). A step that also prefilled (a request admitted, a chunked prompt) is not a
+sample: its seconds hold prompt tokens its shape does not count.
 """
 
 from __future__ import annotations
@@ -50,6 +59,21 @@ KEEP = 1024
 MIN_SHAPES = 4
 
 
+def prefill_tokens(scheduler_output) -> int:
+    """Tokens a vLLM step schedules beyond one row per request and its drafts: prompt
+    tokens (a new request, a chunk of a long prompt).
+
+    >>> from types import SimpleNamespace as NS
+    >>> def step(**n):  # "a" verifies 2 drafts: 3 rows
+    ...     return NS(num_scheduled_tokens=n, scheduled_spec_decode_tokens={"a": [5, 6]})
+    >>> prefill_tokens(step(a=3, b=1)), prefill_tokens(step(a=3, c=40))
+    (0, 39)
+    """
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    counts = scheduler_output.num_scheduled_tokens
+    return sum(max(int(n) - 1 - len(spec.get(rid, ())), 0) for rid, n in counts.items())
+
+
 class VllmAuto:
     """``tree: auto`` for one plugin runner (``model``, ``draft``: names for the cache key;
     ``cost_model``: a given one, never refitted)."""
@@ -74,6 +98,8 @@ class VllmAuto:
         start = cost_model if cost_model is not None else CostModel(**START.__dict__)
         self.auto = AutoPolicy(policy, start)
         self.samples: deque[tuple[Shape, float]] = deque(maxlen=KEEP)
+        # the forced steps every refit keeps (see the module), the cached ones first
+        self.anchor: deque[tuple[Shape, float]] = deque(start.anchor, maxlen=KEEP)
         self._shape_counts: Counter[Shape] = Counter()  # the samples' distinct shapes
         self._events: list[Any] = []
         self._chosen: dict[Any, Candidate] = {}
@@ -82,7 +108,9 @@ class VllmAuto:
         self._t_choose: float | None = None  # this step's choose (its drafting began)
         self._draft_s: float | None = None  # its drafting's seconds
         self._t_begin: float | None = None  # its verify step's start (on_update_states)
+        self._prefill = 0  # prompt tokens that step also ran
         self._since_fit = 0
+        self._prefill_steps = 0  # timed steps left out: they prefilled too
 
     @property
     def stats(self) -> dict:
@@ -91,12 +119,16 @@ class VllmAuto:
         out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcdef"}
         out["cost_model_measured"] = self.measured
         out["samples"] = len(self.samples)
+        out["anchor_samples"] = len(self.anchor)
+        out["prefill_steps"] = self._prefill_steps
         return out
 
     # ------------------------------------------------------------- the step's clock
-    def step_begin(self) -> None:
-        """vLLM began a step (the verify of the trees chosen at the last ``choose``)."""
+    def step_begin(self, prefill: int = 0) -> None:
+        """vLLM began a step (the verify of the trees chosen at the last ``choose``);
+        ``prefill``: the prompt tokens it runs besides them (``prefill_tokens``)."""
         self._t_begin = time.perf_counter()
+        self._prefill = prefill
 
     def drafted(self) -> None:
         """The propose that chose this step's trees has drafted them."""
@@ -110,7 +142,8 @@ class VllmAuto:
     def step_done(self) -> None:
         """Close the step chosen at the last ``choose`` (called as the next propose
         starts): its records, and its seconds: the drafting plus the verify step from
-        its start to now (an idle engine between the two is not counted)."""
+        its start to now (an idle engine between the two is not counted; a step that
+        also prefilled is not timed)."""
         now = time.perf_counter()
         if self._chosen:
             got = {r.req_id: r for r in self._events}
@@ -122,13 +155,18 @@ class VllmAuto:
             began = self._t_begin
             if self._draft_s is not None and began is not None and began >= self._t_choose:
                 seconds = self._draft_s + (now - began)
+                if self._prefill > 0:
+                    seconds, self._prefill_steps = None, self._prefill_steps + 1
             shape = self._realised_shape(got)
             if self._forced is None:
                 self.auto.record(records, seconds, shape)
             if seconds is not None and shape.verify_rows > 0:
-                self._keep_sample(shape, seconds)
-                self._since_fit += 1
-                self._maybe_refit()
+                if self._forced is not None:
+                    self.anchor.append((shape, seconds))
+                else:
+                    self._keep_sample(shape, seconds)
+                    self._since_fit += 1
+                    self._maybe_refit()
         self._events, self._chosen, self._draft_s = [], {}, None
 
     def _realised_shape(self, got: dict) -> Shape:
@@ -194,11 +232,13 @@ class VllmAuto:
         self._shape_counts[shape] += 1
 
     def fit_now(self) -> dict:
-        """Fit the cost model to the timed steps now and cache it (``calibrate_auto``)."""
-        if len(self._shape_counts) < 2:
+        """Fit the cost model to the timed steps (the anchor's and served ones) now and
+        cache it (``calibrate_auto``)."""
+        shapes = set(self._shape_counts) | {s for s, _ in self.anchor}
+        if len(shapes) < 2:
+            n = len(self.samples) + len(self.anchor)
             raise ValueError(
-                f"treespec auto: {len(self.samples)} timed steps of fewer than 2 shapes: "
-                "nothing to fit"
+                f"treespec auto: {n} timed steps of fewer than 2 shapes: nothing to fit"
             )
         self._fit()
         return self.stats
@@ -206,14 +246,15 @@ class VllmAuto:
     def _maybe_refit(self) -> None:
         if self.fixed or self._since_fit < REFIT_EVERY:
             return
-        if len(self._shape_counts) < MIN_SHAPES:
+        if len(self._shape_counts) < MIN_SHAPES and not self.anchor:
             return
         self._fit()
 
     def _fit(self) -> None:
         self._since_fit = 0
-        fit = CostModel.fit(list(self.samples))
+        fit = CostModel.fit([*self.anchor, *self.samples])
         fit.correction = 1.0
+        fit.anchor = list(self.anchor)
         self.auto.cost_model = fit
         self.measured = True
         try:

@@ -47,6 +47,7 @@ from tree_dev.step import (
 )
 from tree_dev.tree import TokenTree
 from tree_dev.vllm_plugin import attention
+from tree_dev.vllm_plugin.auto_choice import prefill_tokens
 from tree_dev.vllm_plugin.compaction import compact_accepted
 from tree_dev.vllm_plugin.config import TreeConfig
 from tree_dev.vllm_plugin.proposing import TreeProposer
@@ -144,7 +145,7 @@ class TreeRunner:
     def on_update_states(self, scheduler_output) -> None:
         """Forget finished and preempted requests; new and resumed ones start over."""
         if self.proposer.auto is not None:
-            self.proposer.auto.step_begin()
+            self.proposer.auto.step_begin(prefill_tokens(scheduler_output))
         gone = set(scheduler_output.finished_req_ids)
         gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         gone |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()))
