@@ -47,7 +47,7 @@ def expected_tokens(p: float, depth: int) -> float:
 
 def no_draft_rate(batch: int, cost: CostModel) -> float:
     """Tokens per second of ``batch`` requests decoded without drafts at ``cost``."""
-    return batch / cost.raw(Shape(batch, 0, 0))
+    return batch / cost.raw(Shape(batch, 0, 0, 0, 0, batch))
 
 
 def simulate(
@@ -177,7 +177,7 @@ def main() -> None:
                 f"{row['auto_no_backoff']:.3f}x, best fixed {name} {fixed:.3f}x"
             )
     out = Path(args.out)
-    cm = {k: getattr(cost, k) for k in "abcdef"}
+    cm = {k: getattr(cost, k) for k in "abcdefg"}
     atomic_write_json(out, {"args": vars(args), "cost_model": cm, "rows": rows})
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

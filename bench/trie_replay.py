@@ -140,7 +140,8 @@ class _Auto:
     def record(self, outcomes, seconds: float, rows: int) -> None:
         from tree_dev.auto import Shape
 
-        self.auto.record(outcomes, seconds, Shape(rows, 0, 0))
+        drafted = int(rows > len(outcomes))  # a trie ran: more rows than requests
+        self.auto.record(outcomes, seconds, Shape(rows, 0, 0, 0, drafted, len(outcomes)))
 
     def forget(self, rid: int) -> None:
         self.auto.forget(rid)

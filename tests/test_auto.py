@@ -107,7 +107,7 @@ def test_policy_shapes_match_the_proposer(spec):
         levels, rows = levels + 1, rows + len(ex.frontier())
         ex.absorb(torch.log_softmax(torch.randn(len(ex.frontier()), 50, generator=gen), -1))
     tree = ex.result()[0]
-    assert policy_shape(policy) == (tree.num_nodes, levels, rows, is_branched(tree), 1)
+    assert policy_shape(policy) == (tree.num_nodes, levels, rows, is_branched(tree), 1, 1)
     assert tree.max_depth <= tree_depth(policy)  # a kept top-K tree may be shallower
 
 
@@ -129,14 +129,14 @@ def test_temperature_classes_follow_the_walk():
 
 
 # --------------------------------------------------------------------------- cost model
-TRUE = dict(a=4e-3, b=1e-4, c=1.2e-3, d=5e-5, e=8e-4, f=1.5e-3)
+TRUE = dict(a=4e-3, b=1e-4, c=1.2e-3, d=5e-5, e=8e-4, f=1.5e-3, g=3e-4)
 
 
 def true_seconds(shape) -> float:
     """``TRUE``'s seconds of a step of ``shape``."""
-    v, lv, r, br, dr = Shape(*shape)
+    v, lv, r, br, dr, n = Shape(*shape)
     t = TRUE
-    return t["a"] + t["b"] * v + t["c"] * lv + t["d"] * r + t["e"] * br + t["f"] * dr
+    return t["a"] + t["b"] * v + t["c"] * lv + t["d"] * r + t["e"] * br + t["f"] * dr + t["g"] * n
 
 
 def fake_forward(noise: float, seed: int = 0):
@@ -154,16 +154,21 @@ def fake_forward(noise: float, seed: int = 0):
 
 
 def test_measure_recovers_known_coefficients_from_noisy_steps():
-    """Every coefficient, the branched trees' ``e`` and a drafted step's ``f`` included,
-    from steps with 3% noise: plain steps of 1, 16 and 64 rows (vLLM's batches with no
-    draft) beside the drafted ones."""
+    """Every coefficient, the branched trees' ``e``, a drafted step's ``f`` and a
+    request's ``g`` included, from steps with 3% noise: plain steps of 1, 16 and 64
+    requests (vLLM's batches with no draft) beside drafted ones of 1 and 4 requests."""
     run_step, clock, calls = fake_forward(noise=0.03)
-    plain = [s for s in default_shapes() if s.draft_levels == 0]
-    drafted = [s._replace(drafted=1) for s in default_shapes() if s.verify_rows > 1]
+    plain = [s._replace(requests=s.verify_rows) for s in default_shapes() if s.draft_levels == 0]
+    drafted = [
+        s._replace(drafted=1, requests=k)
+        for s in default_shapes()
+        if s.verify_rows > 1
+        for k in (1, 4)
+    ]
     shapes = plain + drafted + [s._replace(branched=k) for s in drafted for k in (1, 4)]
     model = measure(run_step, shapes, repeats=5, warmup=1, clock=clock)
     assert len(calls) == len(shapes) * (1 + 5)
-    for k, tol in (("a", 0.05), ("b", 0.05), ("c", 0.05), ("d", 0.15), ("e", 0.1), ("f", 0.1)):
+    for k, tol in zip("abcdefg", (0.05, 0.05, 0.05, 0.15, 0.1, 0.1, 0.1)):
         assert getattr(model, k) == pytest.approx(TRUE[k], rel=tol), k
     for shape in shapes:
         assert model.predict(shape) == pytest.approx(true_seconds(shape), rel=0.03)
@@ -172,12 +177,14 @@ def test_measure_recovers_known_coefficients_from_noisy_steps():
 
 def test_a_fit_without_branched_or_plain_steps_prices_them_at_zero():
     """The local engine times no branched step (its tree attention is the same for any
-    tree) and runs a step with drafts as one without: ``e`` and ``f`` are 0, not a
-    guess, and the other coefficients are unchanged."""
+    tree), runs a step with drafts as one without, and times one request a step: ``e``,
+    ``f`` and ``g`` are 0, not a guess (the request's cost is the step's: ``a``), and
+    the other coefficients are unchanged."""
     run_step, clock, _ = fake_forward(noise=0.0)
     model = measure(run_step, default_shapes(), repeats=1, warmup=0, clock=clock)
-    assert model.e == 0.0 and model.f == 0.0
-    for k in "abcd":
+    assert model.e == model.f == model.g == 0.0
+    assert model.a == pytest.approx(TRUE["a"] + TRUE["g"], rel=1e-6)
+    for k in "bcd":
         assert getattr(model, k) == pytest.approx(TRUE[k], rel=1e-6), k
 
 
@@ -276,7 +283,8 @@ def test_cache_write_is_atomic(tmp_path, monkeypatch):
         b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "samples": 4, "rel_rms": 0.0}}',
         # an anchor row that is not a step's counts and seconds
         b'{"format": "treespec.auto.cost_model", "version": 3, "key": KEY, "model": '
-        b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "e": 0.0}, "anchor": [[1, 0, 0, 0, 0, -1]]}',
+        b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "e": 0.0}, '
+        b'"anchor": [[1, 0, 0, 0, 0, 1, -1]]}',
         # the format before ``f`` (a step with drafts): measured again, not read as f = 0
         b'{"format": "treespec.auto.cost_model", "version": 2, "key": KEY, "model": '
         b'{"a": 0.01, "b": 0.001, "c": 0.0, "d": 0.0, "e": 0.0, "samples": 4, "rel_rms": 0}}',
@@ -796,7 +804,7 @@ def test_predicted_and_measured_step_seconds_in_the_stats():
 
 def test_candidate_name_shape_depth():
     c = Candidate(parse_tree_spec("chain:3"), sampled_drafts=True)
-    assert (c.name, c.shape, c.depth) == ("chain:3+sampled", (4, 3, 3, 0, 1), 3)
+    assert (c.name, c.shape, c.depth) == ("chain:3+sampled", (4, 3, 3, 0, 1, 1), 3)
 
 
 def test_docstring_examples_hold():
@@ -962,7 +970,7 @@ def test_vllm_refit_records_the_realised_step_shape(tmp_path):
     fork = RequestStep("c", 5, [1] * 6, [-1, 0, 0], [7, 8, 9], 1, [0], [8])
     va.on_step_event(SimpleNamespace(requests=[chain, fork]))  # "b" verified no tree
     va.step_done()
-    assert list(va.anchor)[-1][0] == Shape(4 + 1 + 3, 0, 0, 1, 1)  # forced: the anchor
+    assert list(va.anchor)[-1][0] == Shape(4 + 1 + 3, 0, 0, 1, 1, 3)  # forced: the anchor
     assert policy_shape(parse_tree_spec("ngram:budget=8")) == Shape(9, 0, 0, 1, 1)
 
 
@@ -1150,7 +1158,7 @@ def test_vllm_refit_counts_a_model_trees_catch_up():
     tree = RequestStep("a", 2, [1] * 3, [-1, 0, 1], [7, 8, 9], 2, [0, 1], [8, 4])
     va.on_step_event(SimpleNamespace(requests=[tree]))  # "b": vLLM verified no tree
     va.step_done()
-    assert list(va.anchor)[-1][0] == Shape(3 + 1, 2, 2 + 5, 0, 1)
+    assert list(va.anchor)[-1][0] == Shape(3 + 1, 2, 2 + 5, 0, 1, 2)
 
 
 def test_a_probed_trie_keeps_its_own_nodes_far_behind(monkeypatch):
@@ -1229,33 +1237,36 @@ def test_vllm_a_step_that_prefilled_is_not_timed(tmp_path):
     policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
     va = VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
     vllm_step(va)
-    assert [s for s, _ in va.samples] == [Shape(2, 0, 0, 0, 0)]  # plain: no draft
+    assert [s for s, _ in va.samples] == [Shape(2, 0, 0, 0, 0, 2)]  # plain: no draft
     vllm_step(va, prefill=48)
     assert len(va.samples) == 1 and va.stats["prefill_steps"] == 1
     assert va.auto.stats.steps == 2 and va.auto.stats.measured_steps == 1
 
 
 def test_vllm_refits_keep_the_forced_steps_anchor(tmp_path):
-    """The coefficients ``TRUE`` (``f``: 1.5 ms for a step with drafts) from forced steps
-    (plain steps of 1 and 4 rows, tries of 3 and 6 rows) beside served ones that cannot
-    tell ``f`` from a row's cost (plain steps of 8 rows; drafted ones of 12): a refit
-    keeps the anchor and finds ``f``; served steps alone do not. The anchor is cached
-    with the fit and read back by the next engine."""
+    """The coefficients ``TRUE`` (``f``: 1.5 ms for a step with drafts, ``g`` 0.3 ms a
+    request) from forced steps (plain steps of 1 and 4 requests, tries of 2 and 5 nodes
+    for 1 and 4 requests) beside served ones that cannot tell ``f`` from a row's cost
+    (plain steps of 8 requests; drafted ones of 12 rows): a refit keeps the anchor and
+    finds ``f``; served steps alone do not. The anchor is cached with the fit and read
+    back by the next engine."""
     from tree_dev.spec import parse_tree_spec
     from tree_dev.vllm_plugin.auto_choice import VllmAuto
 
     policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
     va = VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
-    forced = [Shape(1, 0, 0), Shape(4, 0, 0), Shape(3, 0, 0, 0, 1), Shape(6, 0, 0, 0, 1)]
-    forced += [Shape(12, 0, 0, 0, 1), Shape(24, 0, 0, 0, 1)]
-    served = [Shape(8, 0, 0), Shape(12, 0, 0, 0, 1)] * 40
+    forced = [Shape(1, 0, 0, 0, 0, 1), Shape(4, 0, 0, 0, 0, 4)]
+    forced += [Shape(3, 0, 0, 0, 1, 1), Shape(6, 0, 0, 0, 1, 1)]
+    forced += [Shape(12, 0, 0, 0, 1, 4), Shape(24, 0, 0, 0, 1, 4)]
+    served = [Shape(8, 0, 0, 0, 0, 8), Shape(12, 0, 0, 0, 1, 8)] * 40
     rng = np.random.default_rng(0)
     va.anchor.extend((sh, true_seconds(sh)) for sh in forced)
     for sh in served:
         va._keep_sample(sh, true_seconds(sh) * (1 + 0.02 * rng.standard_normal()))
     va.fit_now()
     m = va.auto.cost_model
-    assert m.f == pytest.approx(TRUE["f"], rel=0.2) and m.b == pytest.approx(TRUE["b"], rel=0.2)
+    for k in "abfg":
+        assert getattr(m, k) == pytest.approx(TRUE[k], rel=0.2), k
     alone = CostModel.fit(list(va.samples))  # served steps alone: f is not identified
     assert not alone.f == pytest.approx(TRUE["f"], rel=0.2)
     again = VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)

@@ -62,7 +62,7 @@ class LocalAuto:
         same keys as the vLLM plugin's ``treespec_tree_stats()["auto"]``)."""
         out = self.auto.stats.as_dict()
         out["candidates"] = [c.name for c in self.candidates]
-        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcdef"}
+        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcdefg"}
         out["cost_model_measured"] = self.measured
         return out
 
@@ -162,7 +162,8 @@ class LocalAuto:
                 levels = engine.forwards["draft"] - levels0
                 if k > 0:  # the first drafted step carries the catch-up on the prompt
                     rows_d = shape.draft_rows if levels else 0
-                    out.append((Shape(rows, levels, rows_d, 0, shape.drafted), seconds))
+                    real = Shape(rows, levels, rows_d, 0, shape.drafted, shape.requests)
+                    out.append((real, seconds))
         finally:
             for i in ids:
                 engine.abort(i)

@@ -30,11 +30,11 @@ from tree_dev.step import TRUNK_LIMIT
 def batch_shape(shapes: Iterable[Shape]) -> Shape:
     """A batch step's shape: verify and draft rows and branched trees add up; draft levels
     are the deepest request's (each level is one packed draft forward over every request
-    still growing); ``drafted`` is 1 when any request's is."""
-    v = lv = r = br = dr = 0
+    still growing); ``drafted`` is 1 when any request's is; requests add up."""
+    v = lv = r = br = dr = n = 0
     for s in shapes:
-        v, lv, r, br, dr = v + s[0], max(lv, s[1]), r + s[2], br + s[3], max(dr, s[4])
-    return Shape(v, lv, r, br, dr)
+        v, lv, r, br, dr, n = v + s[0], max(lv, s[1]), r + s[2], br + s[3], max(dr, s[4]), n + s[5]
+    return Shape(v, lv, r, br, dr, n)
 
 
 def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) -> np.ndarray:
@@ -46,7 +46,7 @@ def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) 
     every assignment that drafts, which ``choose`` sets against the one that does not.
     Ties: the first column."""
     per_row = cost.additive(rows)  # [requests, candidates]
-    fixed = cost.a + cost.c * cap + cost.f
+    fixed = cost.a + cost.c * cap + cost.f + cost.g * len(e)
     idx = np.arange(len(e))
     x = np.argmax(e, axis=1)  # lam = 0: most tokens
     for _ in range(100):
@@ -81,7 +81,7 @@ def _nothing_pays(
         return None
     n = len(e)
     per = cost.additive(rows)  # [requests, candidates]
-    seconds = cost.a + float(per[:, j0].sum())
+    seconds = cost.a + cost.g * n + float(per[:, j0].sum())
     if not seconds > 0:
         return None
     r0 = float(e[:, j0].sum()) / seconds
@@ -129,8 +129,8 @@ def choose(
     for i, over in enumerate(shapes or ()):
         for j, sh in over.items():
             per[i][j] = sh
-    # [requests, candidates, (verify_rows, draft_levels, draft_rows, branched, drafted)]
-    sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 5)
+    # [requests, candidates, (verify_rows, draft_levels, draft_rows, branched, drafted, 1)]
+    sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 6)
     rows = sizes[..., [0, 2, 3]].astype(float)  # what adds up over requests
     levels, drafted = sizes[..., 1], sizes[..., 4]
     nothing = _nothing_pays(e, candidates, rows, levels, drafted, cost_model)
@@ -305,7 +305,7 @@ class AutoPolicy:
         self._built_at: dict[Any, int] = {}  # context length of this step's tries
         # request -> tries it built and did not run: (name, class, trie, context length)
         self._shadows: dict[Any, list[tuple[str, str, Trie, int]]] = {}
-        self._shape = Shape(0, 0, 0)
+        self._shape = Shape(0, 0, 0, 0, 0, 0)
 
     def expected_row(
         self,

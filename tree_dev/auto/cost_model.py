@@ -25,16 +25,20 @@ from tree_dev.auto.shapes import Shape
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a few columns, exactly: the unconstrained fit on every
     subset of columns, the best one whose coefficients are all >= 0 (the NNLS optimum is the
-    unconstrained fit on its own support). Deterministic; no scipy needed."""
+    unconstrained fit on its own support). Each subset is solved on the normal equations
+    (``x.T @ x``, a few columns square), so the samples are read once, not per subset.
+    Deterministic; no scipy needed."""
     n = x.shape[1]
-    best, best_res = np.zeros(n), float(np.sum(y * y))
+    gram, xty, yy = x.T @ x, x.T @ y, float(y @ y)
+    best, best_res = np.zeros(n), yy
     for mask in range(1, 1 << n):
         cols = [j for j in range(n) if mask >> j & 1]
-        coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+        coef = np.linalg.lstsq(gram[np.ix_(cols, cols)], xty[cols], rcond=None)[0]
         if np.any(coef < 0):
             continue
-        res = float(np.sum((x[:, cols] @ coef - y) ** 2))
-        if res < best_res * (1 - 1e-12):
+        sub = gram[np.ix_(cols, cols)]  # |x c - y|^2 = y.y - 2 c.(x.y) + c.(x.x)c
+        res = yy - 2 * float(coef @ xty[cols]) + float(coef @ sub @ coef)
+        if res < best_res - 1e-12 * max(yy, 1e-300):
             best, best_res = np.zeros(n), res
             best[cols] = coef
     return best
@@ -43,10 +47,10 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 @dataclass
 class CostModel:
     """Step seconds = ``correction * (a + b*verify_rows + c*draft_levels + d*draft_rows +
-    e*branched + f*drafted)``.
+    e*branched + f*drafted + g*requests)``.
 
-    ``a..f`` >= 0 (seconds, seconds per row / level / branched tree, seconds of a step
-    that verifies any draft over a plain one), fitted by ``fit``;
+    ``a..g`` >= 0 (seconds, seconds per row / level / branched tree, seconds of a step
+    that verifies any draft over a plain one, seconds per request), fitted by ``fit``;
     ``correction`` follows the measured steps (``observe``): ``sum(decay^i * measured_i) /
     sum(decay^i * raw_i)`` over past steps, clipped to ``bounds``. A uniform factor: it
     never changes which trees win, only the predicted seconds.
@@ -62,6 +66,7 @@ class CostModel:
     d: float
     e: float = 0.0
     f: float = 0.0
+    g: float = 0.0
     correction: float = 1.0
     correction_decay: float = 0.9
     bounds: tuple[float, float] = (0.5, 2.0)
@@ -75,8 +80,9 @@ class CostModel:
 
     def raw(self, shape: Shape | Sequence[int]) -> float:
         """The fitted seconds of a step of ``shape``, uncorrected."""
-        v, lv, r, br, dr = Shape(*shape)
-        return self.a + self.b * v + self.c * lv + self.d * r + self.e * br + self.f * dr
+        v, lv, r, br, dr, n = Shape(*shape)
+        t = self.a + self.b * v + self.c * lv + self.d * r + self.e * br
+        return t + self.f * dr + self.g * n
 
     def additive(self, parts: np.ndarray) -> np.ndarray:
         """The seconds of the parts of a step that add up over requests: ``parts[...,
@@ -115,20 +121,20 @@ class CostModel:
 
     def to_json(self) -> str:
         """The fitted coefficients as JSON (the online correction is per run: not kept)."""
-        keys = ("a", "b", "c", "d", "e", "f", "samples", "rel_rms")
+        keys = ("a", "b", "c", "d", "e", "f", "g", "samples", "rel_rms")
         return json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any]) -> CostModel:
         """Inverse of ``to_json`` (a string or its parsed dict); ``ValueError`` when a
-        coefficient (``a`` to ``e``; ``f`` may be left out: 0) is missing, not a finite
-        number >= 0."""
+        coefficient (``a`` to ``e``; ``f`` and ``g`` may be left out: 0) is missing, not
+        a finite number >= 0."""
         obj = json.loads(text) if isinstance(text, str) else dict(text)
         if not isinstance(obj, dict):
             raise ValueError("cost model JSON is not an object")
         coef = []
-        for k in "abcdef":
-            v = obj.get(k, 0.0 if k == "f" else None)
+        for k in "abcdefg":
+            v = obj.get(k, 0.0 if k in "fg" else None)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"cost model coefficient {k}={v!r} is not a number >= 0")
             if not math.isfinite(v):
@@ -209,8 +215,8 @@ def cache_key(model: str, dtype: object, device: str | None = None) -> dict[str,
 
 
 _FORMAT = "treespec.auto.cost_model"
-#: 2: the ``e`` term (branched trees); 3: the ``f`` term (a step with drafts); a file of
-#: an older version has neither and is measured again
+#: 2: the ``e`` term (branched trees); 3: the ``f`` and ``g`` terms (a step with drafts,
+#: a request) and the anchor; a file of an older version is measured again
 _VERSION = 3
 #: Where the engines cache measured cost models: ``$TREESPEC_CACHE_DIR/auto``, else
 #: ``~/.cache/treespec/auto``.
@@ -256,7 +262,8 @@ def save_cost_model(directory: str | os.PathLike, key: Mapping[str, str], model:
 
 def _anchor_of(rows: object) -> list[tuple[Shape, float]]:
     """A cache file's anchor rows ``[verify_rows, draft_levels, draft_rows, branched,
-    drafted, seconds]`` as ``(Shape, seconds)``; ``ValueError`` naming the first bad row."""
+    drafted, requests, seconds]`` as ``(Shape, seconds)``; ``ValueError`` naming the first
+    bad row."""
     if not isinstance(rows, list):
         raise ValueError(f"anchor is not a list: {type(rows).__name__}")
     out = []
@@ -266,7 +273,7 @@ def _anchor_of(rows: object) -> list[tuple[Shape, float]]:
         ints = ok and all(type(v) is int and v >= 0 for v in counts)
         t = row[-1] if ok else None
         if not (ints and isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
-            raise ValueError(f"anchor row {i} {row!r} is not 5 counts >= 0 and seconds > 0")
+            raise ValueError(f"anchor row {i} {row!r} is not 6 counts >= 0 and seconds > 0")
         out.append((Shape(*row[:-1]), float(t)))
     return out
 

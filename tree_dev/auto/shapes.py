@@ -46,6 +46,10 @@ class Shape(NamedTuple):
     moves the whole batch to the speculative one (its rejection sampler, spec metadata,
     a second propose pass): a fixed cost no row count carries (on the toy model at batch
     8, one lone tree added 2.8 ms to a 5.9 ms plain step, most of it this).
+    ``requests``: the requests in the step (1 for one request's part; a batch adds them
+    up): what a request costs whatever its tree (its sampling, its inputs, the engine's
+    work per request) is not a verify row's cost, and a fit that has no column for it
+    prices a tree's rows at what a request costs (the root rows are one per request).
     """
 
     verify_rows: int
@@ -53,6 +57,7 @@ class Shape(NamedTuple):
     draft_rows: int
     branched: int = 0
     drafted: int = 0
+    requests: int = 1
 
 
 def policy_shape(policy: Policy) -> Shape:
@@ -79,7 +84,7 @@ def policy_shape(policy: Policy) -> Shape:
 
     >>> from tree_dev.spec import parse_tree_spec
     >>> policy_shape(parse_tree_spec("topk:k=4,depth=6,budget=32"))
-    Shape(verify_rows=33, draft_levels=6, draft_rows=21, branched=1, drafted=1)
+    Shape(verify_rows=33, draft_levels=6, draft_rows=21, branched=1, drafted=1, requests=1)
     """
     if isinstance(policy, NoDraftPolicy):
         return Shape(1, 0, 0)
@@ -121,11 +126,11 @@ def with_catch_up(shape: Shape, behind: int) -> Shape:
     (a draft level) each. Undrafted shapes (``none``, a trie) are returned as they are.
 
     >>> with_catch_up(Shape(5, 4, 4, 0, 1), 3)
-    Shape(verify_rows=5, draft_levels=4, draft_rows=7, branched=0, drafted=1)
+    Shape(verify_rows=5, draft_levels=4, draft_rows=7, branched=0, drafted=1, requests=1)
     >>> with_catch_up(Shape(5, 4, 4, 0, 1), 300)  # 2 chunks of catch-up first
-    Shape(verify_rows=5, draft_levels=6, draft_rows=304, branched=0, drafted=1)
+    Shape(verify_rows=5, draft_levels=6, draft_rows=304, branched=0, drafted=1, requests=1)
     >>> with_catch_up(Shape(9, 0, 0, 1, 1), 300)
-    Shape(verify_rows=9, draft_levels=0, draft_rows=0, branched=1, drafted=1)
+    Shape(verify_rows=9, draft_levels=0, draft_rows=0, branched=1, drafted=1, requests=1)
     """
     if shape.draft_levels == 0 or behind <= 0:
         return shape
