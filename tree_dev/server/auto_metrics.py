@@ -126,7 +126,8 @@ def auto_metrics_lines(stats: Mapping[str, Any]) -> list[str]:
             "treespec_auto_cost_model_coefficient",
             "gauge",
             "The step cost model's coefficients: seconds = a + b*verify_rows + "
-            "c*draft_levels + d*draft_rows (before the correction).",
+            "c*draft_levels + d*draft_rows + e*branched + f*drafted + g*requests "
+            "(before the correction).",
             [(f'{{name="{_label(k)}"}}', v) for k, v in sorted(cost.items())],
         )
     return lines
