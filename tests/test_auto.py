@@ -630,12 +630,14 @@ def step_of(req_id, depth: int, accepted: int):
 COLLAPSE = dict(a=0.004, b=0.00005, c=0.0012, d=0.00005)
 
 
-def run_collapse(**tracker_kw):
+def run_collapse(longest_rest: int = 4, **tracker_kw):
     """130 steps of one greedy request: good 0-29, collapsed 30-69, good again from 70.
     Returns its picks, the policy, and the class's probe interval before each step.
-    ``tracker_kw``: the ``AcceptanceTracker``'s arguments besides its defaults."""
+    ``tracker_kw``: the ``AcceptanceTracker``'s arguments besides its defaults;
+    ``longest_rest``: the ``AutoPolicy``'s (0: the request never rests)."""
     tracker = AcceptanceTracker(**tracker_kw)
-    policy = AutoPolicy(["chain:2", "chain:6"], CostModel(**COLLAPSE), tracker)
+    cost = CostModel(**COLLAPSE)
+    policy = AutoPolicy(["chain:2", "chain:6"], cost, tracker, longest_rest=longest_rest)
     picks, intervals = [], []
     for t in range(130):
         good = t < 30 or t >= 70
@@ -683,12 +685,13 @@ def test_a_costly_failed_probe_makes_its_class_wait_longer():
     class waits ceil(1.93 / 0.03) = 65 steps, not 32; a cheaper failed probe (chain:2:
     2.6 / 4.05 = 0.64, 22 steps) does not shorten it; one that pays resets it to 8. Fewer
     probes run in the collapse than without the budget, and the big tree still returns
-    once acceptance recovers."""
-    picks, policy, intervals = run_collapse()
+    once acceptance recovers. (The request never rests here: a resting request takes no
+    probe slot, which delays probes too.)"""
+    picks, policy, intervals = run_collapse(longest_rest=0)
     assert set(intervals[:30]) == {8}
     assert max(intervals) == 65 and 65 in intervals[40:70]
     assert intervals[-1] == 8 and picks[-1] == "chain:6"
-    plain_picks = run_collapse(probe_budget=0.0)[0]
+    plain_picks = run_collapse(longest_rest=0, probe_budget=0.0)[0]
     assert picks[40:70].count("none") > plain_picks[40:70].count("none")
     tracker = AcceptanceTracker()
     tracker.probe_result("greedy", paid=False, cost=0.06)  # 2 steps: the back-off rules
@@ -1272,3 +1275,57 @@ def test_vllm_refits_keep_the_forced_steps_anchor(tmp_path):
     again = VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
     assert list(again.anchor) == list(va.anchor) and again.measured
     assert again.auto.cost_model.f == pytest.approx(m.f)
+
+
+def test_a_request_where_nothing_pays_rests_and_is_not_read():
+    """By hand: chain:2 never accepts and costs more than it could yield a sampled
+    request; each choice gives none with chain:2 open. After 4 such choices in a row the
+    request rests 1 step, then (one more choice of none each time) 2, then 4, 4, ...:
+    its row is not read on a resting step (``expected_row`` not called), and the
+    ``rested`` count says how many steps went so."""
+    policy = AutoPolicy(["chain:2"], CostModel(a=0.004, b=0.0, c=0.004, d=0.0))  # 12 vs 4 ms
+    reads = []
+    real = policy.expected_row
+    policy.expected_row = lambda rid, *a: reads.append(rid) or real(rid, *a)
+    pattern = ""
+    for _ in range(30):
+        rest = policy.resting("r")
+        pick = policy.choose([("r", 0.8)])["r"]
+        policy.record([step_of("r", pick.depth, 0)])
+        pattern += "z" if rest else "c" if pick.name == "none" else "T"
+    # four choices of none, then rests of 1, 2, 4, 4, ... each after one more choice
+    assert pattern == "cccc" + "z" + "c" + "zz" + ("c" + "zzzz") * 4 + "cz", pattern
+    assert len(reads) == pattern.count("c") + pattern.count("T")
+    assert policy.stats.as_dict()["rested"] == pattern.count("z")
+
+
+def test_a_resting_request_finds_a_trie_that_begins_to_match():
+    """A request rests while its trie finds no match and chain:2 does not pay; from step
+    40 the trie matches and is accepted whole: it is chosen within ``longest_rest`` + 1
+    steps and the request stops resting. Tries are built only on the steps it is awake
+    (as an engine does)."""
+    policy = AutoPolicy(["chain:2", "ngram:budget=4"], CostModel(a=0.004, b=0.0, c=0.004, d=0.0))
+    built, first = 0, None
+    for t in range(80):
+        ctx = [1, 2, 3, 4, 5, 6, 7, 8] if t < 40 else [1, 2, 3, 1, 2, 3, 1]  # no match: a loop
+        tries = {}
+        if not policy.resting("r"):
+            tries["r"] = policy.step_tries("r", ctx)
+            built += 1
+        pick = policy.choose([("r", 0.8)], tries=tries)["r"]
+        depth = (
+            pick.depth if pick.name != "ngram:budget=4" else tries["r"][pick.name].tree.max_depth
+        )
+        accepted = depth if pick.name == "ngram:budget=4" else 0
+        policy.record([step_of("r", depth, accepted)])
+        if t >= 40 and first is None and pick.name == "ngram:budget=4":
+            first = t
+    assert policy.stats.rested > 10 and built < 80 - 10
+    assert first is not None and first <= 40 + policy.longest_rest
+    assert (
+        not policy.resting("r")
+        and policy.choose([("r", 0.8)], tries={"r": policy.step_tries("r", [1, 2, 3, 1])})["r"].name
+        == "ngram:budget=4"
+    )
+    with pytest.raises(ValueError, match="rest_after"):
+        AutoPolicy(["chain:2"], CostModel(a=0.004, b=0.0, c=0.004, d=0.0), rest_after=0)

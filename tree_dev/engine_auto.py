@@ -72,7 +72,11 @@ class LocalAuto:
         if self._forced is not None:
             picks = [self._forced] * len(batch)
         else:
-            tries = {r.req_id: self.auto.step_tries(r.req_id, r.prompt + r.output) for r in batch}
+            tries = {
+                r.req_id: self.auto.step_tries(r.req_id, r.prompt + r.output)
+                for r in batch
+                if not self.auto.resting(r.req_id)  # given none unread: no tries needed
+            }
             reqs = [(r.req_id, r.params.temperature) for r in batch]
             chosen = self.auto.choose(reqs, tries=tries, behind=behind_of(batch))
             picks = [chosen[r.req_id] for r in batch]

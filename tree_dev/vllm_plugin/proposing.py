@@ -105,14 +105,18 @@ class TreeProposer:
         states, tokens = self.tr.runner.requests, self.tr.runner.input_batch.token_ids_cpu
         temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
         auto = self.auto.auto
-        built = {rid: auto.step_tries(rid, tokens[i, :n].tolist()) for i, rid, n in todo}
+        built = {  # a resting request is given none unread: no tries needed
+            rid: auto.step_tries(rid, tokens[i, :n].tolist())
+            for i, rid, n in todo
+            if not auto.resting(rid)
+        }
         behind = {rid: self._behind(rid, n) for _, rid, n in todo}
         picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)], built, behind)
         model = []
         for (i, rid, n_tokens), temp in zip(todo, temps):
             cand = picks[rid]
             if is_ngram(cand.policy):
-                trie = built[rid].get(cand.name)
+                trie = built.get(rid, {}).get(cand.name)
                 if trie is not None and not self.history.max_tokens:  # built for the choice
                     self._store(rid, trie.tree, trie.tokens, out, i)
                 else:
