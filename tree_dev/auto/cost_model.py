@@ -110,7 +110,9 @@ class CostModel:
         as big ones)."""
         if not samples:
             raise ValueError("CostModel.fit: no samples")
-        x = np.array([[1.0, *map(float, Shape(*s))] for s, _ in samples])
+        width = len(Shape._fields)  # a short tuple gets Shape's defaults
+        rows = [s if len(s) == width else Shape(*s) for s, _ in samples]
+        x = np.hstack([np.ones((len(rows), 1)), np.array(rows, dtype=float).reshape(-1, width)])
         y = np.array([float(t) for _, t in samples])
         if not np.all(np.isfinite(y) & (y > 0)):
             raise ValueError("CostModel.fit: every measured step must take > 0 seconds")

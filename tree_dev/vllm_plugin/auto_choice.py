@@ -54,7 +54,9 @@ from tree_dev.step import StepEvent
 #: level, a draft row, a branched tree's tree attention, a step with drafts over a plain
 #: one), about a small model on a CPU at batch 1
 START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005, e=0.1, f=0.2)
-REFIT_EVERY = 64
+#: a refit reads up to 2 * KEEP samples (the anchor and the served): 5-15 ms on a CPU,
+#: so every 256 steps it is a few hundredths of a millisecond a step
+REFIT_EVERY = 256
 KEEP = 1024
 MIN_SHAPES = 4
 
