@@ -88,6 +88,7 @@ def test_auto_is_lossless_with_mixed_temperatures(llm, reference):
         trees = {n: k for n, k in auto["choices_by_class"][cls].items() if n != "none"}
         assert trees, f"auto never gave a {cls} request a tree: the proof proves nothing"
     assert any(not n.startswith(("ngram", "none")) for n in auto["choices"])
+    assert auto["rested"] > 0, "no request rested: the proof does not cover resting steps"
     assert stats["tokens_per_step"] > 1.3
     assert auto["measured_steps"] > 50
     assert auto["mean_predicted_s"] > 0 and auto["mean_measured_s"] > 0
