@@ -1283,7 +1283,8 @@ def test_a_request_where_nothing_pays_rests_and_is_not_read():
     request rests 1 step, then (one more choice of none each time) 2, then 4, 4, ...:
     its row is not read on a resting step (``expected_row`` not called), and the
     ``rested`` count says how many steps went so."""
-    policy = AutoPolicy(["chain:2"], CostModel(a=0.004, b=0.0, c=0.004, d=0.0))  # 12 vs 4 ms
+    cost = CostModel(a=0.004, b=0.0, c=0.004, d=0.0)  # chain:2 12 ms, none 4 ms
+    policy = AutoPolicy(["chain:2"], cost, rest_above=0.0)  # rest whatever choosing costs
     reads = []
     real = policy.expected_row
     policy.expected_row = lambda rid, *a: reads.append(rid) or real(rid, *a)
@@ -1304,7 +1305,8 @@ def test_a_resting_request_finds_a_trie_that_begins_to_match():
     40 the trie matches and is accepted whole: it is chosen within ``longest_rest`` + 1
     steps and the request stops resting. Tries are built only on the steps it is awake
     (as an engine does)."""
-    policy = AutoPolicy(["chain:2", "ngram:budget=4"], CostModel(a=0.004, b=0.0, c=0.004, d=0.0))
+    cost = CostModel(a=0.004, b=0.0, c=0.004, d=0.0)
+    policy = AutoPolicy(["chain:2", "ngram:budget=4"], cost, rest_above=0.0)
     built, first = 0, None
     for t in range(80):
         ctx = [1, 2, 3, 4, 5, 6, 7, 8] if t < 40 else [1, 2, 3, 1, 2, 3, 1]  # no match: a loop
@@ -1327,5 +1329,23 @@ def test_a_resting_request_finds_a_trie_that_begins_to_match():
         and policy.choose([("r", 0.8)], tries={"r": policy.step_tries("r", [1, 2, 3, 1])})["r"].name
         == "ngram:budget=4"
     )
-    with pytest.raises(ValueError, match="rest_after"):
-        AutoPolicy(["chain:2"], CostModel(a=0.004, b=0.0, c=0.004, d=0.0), rest_after=0)
+    for bad in (dict(rest_after=0), dict(longest_rest=-1), dict(rest_above=-0.1)):
+        with pytest.raises(ValueError, match="rest_after"):
+            AutoPolicy(["chain:2"], cost, **bad)
+
+
+def test_a_request_rests_only_where_choosing_is_dear():
+    """Nothing pays, as above; on a clock where each reading is 1 ms later, choosing
+    costs 1 ms a request. Against measured 4 ms steps (25%) the request rests; against
+    10 s steps (0.01%, below ``rest_above``'s 0.5%) it never does: there a rest would
+    only miss tries that match, for nothing saved. Unmeasured, no rest either."""
+    rested = {}
+    for a in (0.004, 10.0, None):
+        clock = itertools.count(0.0, 0.001).__next__  # each reading 1 ms later
+        cost = CostModel(a=a or 1.0, b=0.0, c=2 * (a or 1.0), d=0.0)  # chain:2: 3x none
+        policy = AutoPolicy(["chain:2"], cost, clock=clock)
+        for _ in range(30):
+            pick = policy.choose([("r", 0.8)])["r"]
+            policy.record([step_of("r", pick.depth, 0)], seconds=a)
+        rested[a] = policy.stats.rested
+    assert rested[0.004] > 10 and rested[10.0] == 0 and rested[None] == 0

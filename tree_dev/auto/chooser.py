@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, NamedTuple, Protocol
@@ -269,7 +270,14 @@ class AutoPolicy:
     step, then 2, then 4 (``longest_rest``) after each further such choice, until a
     choice gives it a tree. So where nothing pays, a request is chosen for on one step
     in 5 at most, and a trie that begins to match is found within ``longest_rest``
-    steps. Engines skip ``step_tries`` for a request that ``resting``.
+    steps. Engines skip ``step_tries`` for a request that ``resting``. A rest also
+    misses the matches of the steps it skips (on SmolLM2, a queue of 24 greedy requests
+    for 8 slots, the long trie was seen on half as many steps), so it begins only where
+    choosing is dear: where one awake request's ``step_tries`` and share of ``choose``
+    (timed by ``clock``, a decayed mean) take at least ``rest_above`` (0.5%) of a
+    measured step (``record``'s seconds, a decayed mean: the toy's 7 ms steps, not
+    SmolLM2's 60-100 ms ones); no rest before a step is measured. ``rest_above=0``
+    rests wherever nothing pays, timing aside (deterministic).
 
     >>> from tree_dev.step import RequestStep
     >>> auto = AutoPolicy(["chain:2", "chain:6"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0))
@@ -294,14 +302,21 @@ class AutoPolicy:
         drift_recover: float = 0.9,
         rest_after: int = 4,
         longest_rest: int = 4,
+        rest_above: float = 0.005,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if not (0 < drift_decay <= 1 and 0 <= drift_recover <= 1):
             raise ValueError("drift_decay must be in (0, 1], drift_recover in [0, 1]")
-        if rest_after < 1 or longest_rest < 0:
+        if rest_after < 1 or longest_rest < 0 or not rest_above >= 0:
             raise ValueError(
-                f"rest_after must be >= 1 and longest_rest >= 0, got {rest_after}, {longest_rest}"
+                "rest_after must be >= 1, longest_rest and rest_above >= 0, got "
+                f"{rest_after}, {longest_rest}, {rest_above}"
             )
         self.rest_after, self.longest_rest = rest_after, longest_rest
+        self.rest_above, self._clock = rest_above, clock
+        self._own = 0.0  # seconds of this step's step_tries so far
+        self._choice_s: float | None = None  # decayed seconds of choosing, per awake request
+        self._step_s: float | None = None  # decayed measured seconds of a step
         # per request: choices in a row that gave it none; its last rest; steps of rest left
         self._none_run: dict[Any, int] = {}
         self._rest_len: dict[Any, int] = {}
@@ -386,6 +401,7 @@ class AutoPolicy:
         """``shapes.step_tries`` for ``req_id``'s committed tokens ``context`` (its
         ``choose`` ``tries``), after scoring its trie shadows against them (see the
         class)."""
+        t0 = self._clock()
         ctx = context if isinstance(context, list) else list(context)
         waiting = []
         for name, cls, trie, at in self._shadows.pop(req_id, []):
@@ -399,7 +415,9 @@ class AutoPolicy:
         if waiting:
             self._shadows[req_id] = waiting
         self._built_at[req_id] = len(ctx)
-        return step_tries(ctx, self.candidates)
+        out = step_tries(ctx, self.candidates)
+        self._own += self._clock() - t0
+        return out
 
     def choose(
         self,
@@ -427,6 +445,7 @@ class AutoPolicy:
         judged on its one step, read at an upper bound, so at what that step costs; where
         even its whole tree accepted would not pay for the catch-up (a large batch, a
         request far behind), it does not run."""
+        t0 = self._clock()
         classes = [temperature_class(t) for _, t in requests]
         resting = {rid for rid, _ in requests if self.resting(rid)}
         no: dict[Any, set[str]] = {rid: set(v) for rid, v in (unavailable or {}).items()}
@@ -482,6 +501,11 @@ class AutoPolicy:
         for c, cls in zip(picks, classes):
             self.stats.count(cls, c.name)
         self._update_rest(requests, picks, expected, resting)
+        awake_n = max(len(requests) - len(resting), 1)
+        own = (self._own + self._clock() - t0) / awake_n
+        prev = self._choice_s
+        self._choice_s = own if prev is None else 0.8 * prev + 0.2 * own
+        self._own = 0.0
         for (rid, _), c, cls in zip(requests, picks, classes):  # the tries not run: shadows
             at = self._built_at.pop(rid, None)
             if at is not None:
@@ -503,8 +527,13 @@ class AutoPolicy:
     ) -> None:
         """After a choice: a resting request's rest runs down; a request given ``none``
         with some tree open to it ``rest_after`` times in a row begins a rest twice its
-        last (1 at first, at most ``longest_rest``); a tree ends its run of ``none``."""
+        last (1 at first, at most ``longest_rest``) where choosing is dear (see the
+        class); a tree ends its run of ``none``."""
         j0 = self._none
+        own, step = self._choice_s, self._step_s
+        dear = self.rest_above == 0 or (
+            own is not None and step is not None and own >= self.rest_above * step
+        )
         for (rid, _), c, row in zip(requests, picks, rows):
             if rid in resting:
                 self._rest_left[rid] -= 1
@@ -514,7 +543,7 @@ class AutoPolicy:
                 self._rest_len.pop(rid, None)
             elif any(v is not None for j, v in enumerate(row) if j != j0):
                 run = self._none_run[rid] = self._none_run.get(rid, 0) + 1
-                if run >= self.rest_after and self.longest_rest > 0:
+                if run >= self.rest_after and self.longest_rest > 0 and dear:
                     rest = min(max(2 * self._rest_len.get(rid, 0), 1), self.longest_rest)
                     self._rest_len[rid] = self._rest_left[rid] = rest
 
@@ -558,6 +587,9 @@ class AutoPolicy:
         self.tracker.end_step()
         self.stats.steps += 1
         ran = self._shape if shape is None else shape
+        if seconds is not None and seconds > 0:
+            prev = self._step_s
+            self._step_s = seconds if prev is None else 0.8 * prev + 0.2 * seconds
         if seconds is not None and ran.verify_rows > 0:
             self.stats.measured(self.cost_model.predict(ran), seconds)
             self.cost_model.observe(ran, seconds)
