@@ -177,7 +177,7 @@ def main() -> None:
                 f"{row['auto_no_backoff']:.3f}x, best fixed {name} {fixed:.3f}x"
             )
     out = Path(args.out)
-    cm = {k: getattr(cost, k) for k in "abcdefg"}
+    cm = cost.coefficients()
     atomic_write_json(out, {"args": vars(args), "cost_model": cm, "rows": rows})
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

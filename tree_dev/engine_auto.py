@@ -62,7 +62,7 @@ class LocalAuto:
         same keys as the vLLM plugin's ``treespec_tree_stats()["auto"]``)."""
         out = self.auto.stats.as_dict()
         out["candidates"] = [c.name for c in self.candidates]
-        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcdefg"}
+        out["cost_model"] = self.auto.cost_model.coefficients()
         out["cost_model_measured"] = self.measured
         return out
 

@@ -62,9 +62,14 @@ def _best_under_cap(e: np.ndarray, rows: np.ndarray, cost: CostModel, cap: int) 
     return x
 
 
+def _none_index(candidates: Sequence[Candidate]) -> int | None:
+    """The index of the first undrafted candidate (``none``), None without one."""
+    return next((j for j, c in enumerate(candidates) if draft_source(c) is None), None)
+
+
 def _nothing_pays(
     e: np.ndarray,
-    candidates: Sequence[Candidate],
+    j0: int | None,
     rows: np.ndarray,
     levels: np.ndarray,
     drafted: np.ndarray,
@@ -76,8 +81,8 @@ def _nothing_pays(
     ``R0`` times that candidate's own rows' cost plus ``1 / n`` of its draft levels' and
     of a drafted step's ``f`` (what a batch of ``n`` shares at best): summed over any
     switched set, the gains stay within ``R0`` times the added seconds. Most steps of a
-    batch where no tree pays end here, without the solver."""
-    j0 = next((j for j, c in enumerate(candidates) if draft_source(c) is None), None)
+    batch where no tree pays end here, without the solver. ``j0``: the index of
+    ``none`` (``_none_index``)."""
     if j0 is None or not np.all(np.isfinite(e[:, j0])):
         return None
     n = len(e)
@@ -134,11 +139,11 @@ def choose(
     sizes = np.array([list(chain.from_iterable(r)) for r in per]).reshape(*e.shape, 6)
     rows = sizes[..., [0, 2, 3]].astype(float)  # what adds up over requests
     levels, drafted = sizes[..., 1], sizes[..., 4]
-    nothing = _nothing_pays(e, candidates, rows, levels, drafted, cost_model)
+    j0 = _none_index(candidates)
+    nothing = _nothing_pays(e, j0, rows, levels, drafted, cost_model)
     if nothing is not None:
         return [candidates[nothing]] * len(e)
     best, best_rate = None, -1.0
-    j0 = next((j for j, c in enumerate(candidates) if draft_source(c) is None), None)
     if j0 is not None and np.all(np.isfinite(e[:, j0])) and not drafted[:, j0].any():
         best = np.full(len(e), j0)  # no draft anywhere: vLLM's plain step, no ``f``
         plain = cost_model.raw(batch_shape(r[j0] for r in per))
@@ -326,8 +331,7 @@ class AutoPolicy:
         self._index = {c.name: j for j, c in enumerate(self.candidates)}
         self._drift_keys = [drift_key(c) for c in self.candidates]
         # the index of ``none`` (what a probe's cost is set against), None without one
-        undrafted = [j for j, c in enumerate(self.candidates) if draft_source(c) is None]
-        self._none = undrafted[0] if undrafted else None
+        self._none = _none_index(self.candidates)
         self._rest_row = [1.0 if j == self._none else None for j in range(len(self.candidates))]
         self.cost_model = cost_model
         self.tracker = tracker if tracker is not None else AcceptanceTracker()
@@ -466,6 +470,8 @@ class AutoPolicy:
         shapes = [{index[n]: t.shape for n, t in built.get(rid, {}).items()} for rid, _ in requests]
         caught_up: dict[int, dict[int, Shape]] = {}  # behind -> the model trees' shapes
         for (rid, _), over in zip(requests, shapes):
+            if rid in resting:  # given none unread: its trees are not priced
+                continue
             whole = (behind or {}).get(rid, 0)
             late = min(whole, TRUNK_LIMIT)
             if late > 0:

@@ -33,15 +33,19 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     best, best_res = np.zeros(n), yy
     for mask in range(1, 1 << n):
         cols = [j for j in range(n) if mask >> j & 1]
-        coef = np.linalg.lstsq(gram[np.ix_(cols, cols)], xty[cols], rcond=None)[0]
+        sub = gram[np.ix_(cols, cols)]  # |x c - y|^2 = y.y - 2 c.(x.y) + c.(x.x)c
+        coef = np.linalg.lstsq(sub, xty[cols], rcond=None)[0]
         if np.any(coef < 0):
             continue
-        sub = gram[np.ix_(cols, cols)]  # |x c - y|^2 = y.y - 2 c.(x.y) + c.(x.x)c
         res = yy - 2 * float(coef @ xty[cols]) + float(coef @ sub @ coef)
         if res < best_res - 1e-12 * max(yy, 1e-300):
             best, best_res = np.zeros(n), res
             best[cols] = coef
     return best
+
+
+#: the coefficients of ``CostModel`` (``coefficients()``, ``to_json``, the engines' stats)
+COEFFICIENTS = "abcdefg"
 
 
 @dataclass
@@ -77,6 +81,10 @@ class CostModel:
     anchor: list[tuple[Shape, float]] = field(default_factory=list, repr=False)
     _num: float = field(default=0.0, repr=False, init=False)
     _den: float = field(default=0.0, repr=False, init=False)
+
+    def coefficients(self) -> dict[str, float]:
+        """``{"a": ..., ..., "g": ...}``: the fitted coefficients (the engines' stats)."""
+        return {k: getattr(self, k) for k in COEFFICIENTS}
 
     def raw(self, shape: Shape | Sequence[int]) -> float:
         """The fitted seconds of a step of ``shape``, uncorrected."""
@@ -123,8 +131,8 @@ class CostModel:
 
     def to_json(self) -> str:
         """The fitted coefficients as JSON (the online correction is per run: not kept)."""
-        keys = ("a", "b", "c", "d", "e", "f", "g", "samples", "rel_rms")
-        return json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        doc = {**self.coefficients(), "samples": self.samples, "rel_rms": self.rel_rms}
+        return json.dumps(doc, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any]) -> CostModel:
@@ -135,7 +143,7 @@ class CostModel:
         if not isinstance(obj, dict):
             raise ValueError("cost model JSON is not an object")
         coef = []
-        for k in "abcdefg":
+        for k in COEFFICIENTS:
             v = obj.get(k, 0.0 if k in "fg" else None)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"cost model coefficient {k}={v!r} is not a number >= 0")

@@ -118,7 +118,7 @@ class VllmAuto:
     def stats(self) -> dict:
         out = self.auto.stats.as_dict()
         out["candidates"] = [c.name for c in self.auto.candidates]
-        out["cost_model"] = {k: getattr(self.auto.cost_model, k) for k in "abcdefg"}
+        out["cost_model"] = self.auto.cost_model.coefficients()
         out["cost_model_measured"] = self.measured
         out["samples"] = len(self.samples)
         out["anchor_samples"] = len(self.anchor)
