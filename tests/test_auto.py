@@ -340,6 +340,30 @@ def test_tracker_counts_are_depth_stats_counts():
     assert (steps, tried, accepted) == (ds.steps, ds.tried, ds.accepted)
 
 
+def test_a_step_of_none_only_moves_the_requests_clock():
+    """``tick`` (what ``AutoPolicy.record`` does for ``none``) reads as observing a tree 0
+    deep: every drafting candidate's estimate, own and prior, the probe bound included,
+    is the same afterwards; without the clock moving, the own counts' staleness differs."""
+    kw = dict(decay=0.7, fade=0.5, probe_every=1)
+    ticked, observed, still = (AcceptanceTracker(**kw) for _ in range(3))
+    for step in range(12):
+        for t in (ticked, observed, still):
+            if step % 3 == 0:
+                t.observe("r", "chain:4", "sampled", 4, step % 5)
+                t.observe("q", "chain:4", "sampled", 4, 1)
+        if step % 3:
+            ticked.tick("r")
+            observed.observe("r", "none", "sampled", 0, 0)
+        for t in (ticked, observed, still):
+            t.end_step()
+    for probe in (False, True):
+        got = ticked.expected_tokens("r", "chain:4", "sampled", 4, probe)
+        assert got == pytest.approx(observed.expected_tokens("r", "chain:4", "sampled", 4, probe))
+    assert ticked.expected_tokens("r", "chain:4", "sampled", 4) != pytest.approx(
+        still.expected_tokens("r", "chain:4", "sampled", 4)
+    )
+
+
 def test_expected_tokens_by_hand():
     # decay 0.5, no prior: steps 0.5 + 1 = 1.5; accepted [0.5, 0.5, 0]
     t = AcceptanceTracker(decay=0.5, prior_weight=0.0)

@@ -78,7 +78,12 @@ def test_auto_is_lossless_with_mixed_temperatures(llm, reference):
         else SamplingParams(temperature=0.8, max_tokens=greedy[i].max_tokens, ignore_eos=True)
         for i in range(len(PROMPTS))
     ]
-    outs = generate(llm, PROMPTS, params)
+    # rest wherever nothing pays, however cheap choosing is on this machine now
+    llm.collective_rpc("treespec_auto_rest", args=(0.0,))
+    try:
+        outs = generate(llm, PROMPTS, params)
+    finally:
+        llm.collective_rpc("treespec_auto_rest", args=(0.005,))
     bad = [i for i in range(0, len(PROMPTS), 2) if outs[i] != reference[i]]
     assert not bad, f"greedy prompts {bad} diverge from vLLM's plain greedy output"
     stats = tree_stats(llm)
@@ -141,6 +146,8 @@ def test_calibration_times_every_candidate_and_fits_the_cost(llm):
     cost = stats["cost_model"]
     assert cost["a"] > 0 and (cost["b"] > 0 or cost["c"] > 0 or cost["d"] > 0), cost
     assert stats["steps"] == before["steps"]  # forced steps teach no acceptance
+    with pytest.raises(Exception, match="rest_above = -1"):
+        llm.collective_rpc("treespec_auto_rest", args=(-1,))
     with pytest.raises(Exception, match="no candidate 'chain:9'"):
         llm.collective_rpc("treespec_auto_force", args=("chain:9",))
     with pytest.raises(Exception, match="auto is chosen at start-up"):

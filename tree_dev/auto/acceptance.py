@@ -237,6 +237,12 @@ class AcceptanceTracker:
         prior.add(self._steps + 1, self.decay, max_depth, accepted)
         self._bump(name, cls)
 
+    def tick(self, req_id: object) -> None:
+        """One step of ``req_id`` that drafted nothing (``none``): its step clock moves, as
+        ``observe`` would move it, and nothing else (a tree 0 deep teaches no rate; every
+        candidate that drafts reads the same as before, ``none`` reads 1 token)."""
+        self._req_steps[req_id] = self._req_steps.get(req_id, 0) + 1
+
     def _bump(self, name: str, cls: str) -> None:
         """What (``name``, ``cls``) reads changed: its kept reads are stale."""
         self._tick += 1

@@ -485,7 +485,10 @@ class AutoPolicy:
             offer = self._offers.get(rid)  # a probe of a model tree: its whole catch-up
             if whole > late and offer is not None and index[offer] in caught_up[late]:
                 over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
-        picks = choose(expected, self.candidates, self.cost_model, shapes)
+        if awake or self._none is None:
+            picks = choose(expected, self.candidates, self.cost_model, shapes)
+        else:  # every request rests: none, unread, without the solver
+            picks = [self.candidates[self._none]] * len(requests)
         for (rid, _), c in zip(requests, picks):
             probed = self._probed.pop(rid, None)  # the request's last step was a probe:
             if probed is not None:  # it paid if the request keeps drafting from the
@@ -580,9 +583,12 @@ class AutoPolicy:
             if pick is None:
                 continue
             cand, cls = pick
+            now = self._req_step[s.req_id] = self._req_step.get(s.req_id, 0) + 1
+            if cand.depth == 0:  # none: the request's clock moves, no rate is learnt
+                self.tracker.tick(s.req_id)
+                continue
             accepted = len(s.accepted) - 1  # the root is not a draft
             self.tracker.observe(s.req_id, cand.name, cls, s.max_depth, accepted, cand.depth)
-            now = self._req_step[s.req_id] = self._req_step.get(s.req_id, 0) + 1
             key, expected = drift_key(cand), self._raw.get((s.req_id, cand.name), 0.0)
             if key is not None and expected > 0:
                 d = self._drift.setdefault((s.req_id, key, cls), [0.0, 0.0, now])

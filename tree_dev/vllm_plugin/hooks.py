@@ -394,7 +394,8 @@ CATALOGUE: tuple[Patch, ...] = (
         "vllm.config.parallel:ParallelConfig.worker_extension_cls",
         "collective_rpc entry points (worker_methods.TreeWorkerExtension, set by the config "
         "check above): treespec_tree_stats, treespec_recorded_trees, treespec_set_debug, "
-        "treespec_set_tree, treespec_record_steps, treespec_recorded_steps",
+        "treespec_set_tree, treespec_record_steps, treespec_recorded_steps, "
+        "treespec_auto_force, treespec_auto_fit, treespec_auto_rest",
         "use",
     ),
     Patch(

@@ -129,6 +129,18 @@ def worker_auto_force(worker, name: str | None) -> None:
     st.proposer.auto.force(name)
 
 
+def worker_auto_rest(worker, rest_above: float) -> None:
+    """``tree: auto``'s rest threshold (``AutoPolicy``'s ``rest_above``: 0 rests wherever
+    nothing pays, timing aside, as tests need): ``llm.collective_rpc("treespec_auto_rest",
+    args=(rest_above,))``."""
+    st = _tree_runner(worker, "treespec_auto_rest")
+    if st.proposer.auto is None:
+        raise ValueError(f"treespec_auto_rest: the engine's tree is {st.cfg.spec!r}, not auto")
+    if not isinstance(rest_above, (int, float)) or not rest_above >= 0:
+        raise ValueError(f"treespec_auto_rest: rest_above = {rest_above!r}; expected a number >= 0")
+    st.proposer.auto.auto.rest_above = float(rest_above)
+
+
 def worker_auto_fit(worker) -> dict:
     """``tree: auto``: fit the cost model to the timed steps now, cache it, return the auto
     statistics (``llm.collective_rpc("treespec_auto_fit")``)."""
@@ -149,6 +161,7 @@ class TreeWorkerExtension:
     treespec_recorded_steps = worker_recorded_steps
     treespec_auto_force = worker_auto_force
     treespec_auto_fit = worker_auto_fit
+    treespec_auto_rest = worker_auto_rest
 
 
 EXTENSION = f"{__name__}.TreeWorkerExtension"
