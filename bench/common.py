@@ -71,7 +71,8 @@ def bench_llm(cfg: dict[str, Any], env: dict[str, str] | None = None, **kw: Any)
         args["speculative_config"] = dict(cfg["spec"])
     if cfg.get("tree") is not None:  # the plugin's section, as TreeSettings writes it
         settings = TreeSettings.parse(cfg["tree"], bool(cfg.get("draft_sampling")))
-        args["additional_config"] = {"treespec": settings.treespec_section()}
+        section = {**settings.treespec_section(), **(cfg.get("treespec") or {})}
+        args["additional_config"] = {"treespec": section}
     args.update(kw)
     t0 = time.perf_counter()
     with environ(env):

@@ -524,14 +524,15 @@ def test_ties_go_to_the_cheaper_tree_and_bad_input_is_refused():
         choose([[None, None]], cands, cost)
 
 
-def brute_force_rate(expected, cands, cost) -> float:
-    """max over every assignment of sum(tokens) / (a + b*V + c*max levels + d*R + e*B +
-    f*any drafted)."""
+def brute_force_rate(expected, cands, cost, weights=None) -> float:
+    """max over every assignment of sum(weight * tokens) / (a + b*V + c*max levels + d*R +
+    e*B + f*any drafted)."""
+    w = weights or [1.0] * len(expected)
     best = 0.0
     for x in itertools.product(range(len(cands)), repeat=len(expected)):
         if any(expected[i][j] is None for i, j in enumerate(x)):
             continue
-        tokens = sum(expected[i][j] for i, j in enumerate(x))
+        tokens = sum(w[i] * expected[i][j] for i, j in enumerate(x))
         sh = [cands[j].shape for j in x]
         sec = (
             cost.a
@@ -554,18 +555,53 @@ def test_choose_is_the_exact_optimum(accepts, bcde):
     assert_choose_is_the_optimum(accepts, bcde)
 
 
-def assert_choose_is_the_optimum(accepts, bcdef) -> None:
+def assert_choose_is_the_optimum(accepts, bcdef, weights=None) -> None:
     """``choose``'s batch rate equals the best over every assignment, for yields ``1 +
     depth_j * u_ij`` (any in ``[1, 1 + depth]``) and a cost ``(0.01, *bcdef)`` (``CANDS``
-    has chains and a branched tree, so ``e`` is in play; ``f`` prices any drafted step)."""
+    has chains and a branched tree, so ``e`` is in play; ``f`` prices any drafted step);
+    ``weights``: per request, what its token is worth."""
     cands = make_candidates(CANDS)
     expected = [[1 + c.depth * u for c, u in zip(cands, row)] for row in accepts]
     cost = CostModel(0.01, *bcdef)
-    picks = choose(expected, cands, cost)
+    picks = choose(expected, cands, cost, weights=weights)
     idx = [cands.index(c) for c in picks]
-    tokens = sum(expected[i][j] for i, j in enumerate(idx))
+    w = weights or [1.0] * len(expected)
+    tokens = sum(w[i] * expected[i][j] for i, j in enumerate(idx))
     rate = tokens / cost.raw(auto.batch_shape(c.shape for c in picks))
-    assert rate == pytest.approx(brute_force_rate(expected, cands, cost), rel=1e-9)
+    assert rate == pytest.approx(brute_force_rate(expected, cands, cost, weights), rel=1e-9)
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.floats(0, 1), min_size=4, max_size=4), st.floats(0.01, 4)),
+        min_size=1,
+        max_size=4,
+    ),
+    st.tuples(*[st.floats(0, 0.01)] * 5),
+)
+def test_choose_with_token_weights_is_the_exact_optimum(rows, bcdef):
+    """With a weight per request (``makespan_weights``), against every assignment:
+    ``choose`` finds the best weighted batch rate."""
+    assert_choose_is_the_optimum([r for r, _ in rows], bcdef, [w for _, w in rows])
+
+
+def test_makespan_weights_send_the_tree_to_the_request_the_batch_waits_for():
+    """A wave of two requests, each with a trie yielding 3 tokens for 8 ms more a step
+    (plain 18 ms). Counted alike, both draft (6 tokens / 34 ms > 2 / 18 ms).
+    Request "a" 6 tokens ahead: its token saves only its row, (b + g) = 2 ms of an 18 ms
+    step, weight 2 * 2 / 18; "b" sets the batch's end, weight 2: only "b" drafts.
+    Equal lengths left: weights 1, the tokens objective unchanged."""
+    cands = make_candidates(["ngram:budget=4"])
+    cost = CostModel(a=0.014, b=0.001, c=0.0, d=0.0, f=0.0, g=0.001)
+    rows = [[1.0, 3.0], [1.0, 3.0]]
+    built = [{1: Shape(9, 0, 0, 0, 1)}] * 2
+    assert names(choose(rows, cands, cost, built)) == ["ngram:budget=4"] * 2
+    w = auto.makespan_weights([20, 26], cost)
+    assert w == pytest.approx([2 * 0.002 / 0.018, 2.0])
+    assert names(choose(rows, cands, cost, built, w)) == ["none", "ngram:budget=4"]
+    assert auto.makespan_weights([26, 26], cost) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="weights must be 2 finite numbers > 0"):
+        choose(rows, cands, cost, built, [1.0, 0.0])
 
 
 @given(
@@ -1197,9 +1233,9 @@ def test_a_probed_trie_keeps_its_own_nodes_far_behind(monkeypatch):
     seen = []
     real = chooser.choose
 
-    def spy(expected, candidates, cost_model, shapes=None):
+    def spy(expected, candidates, cost_model, shapes=None, weights=None):
         seen.append((list(candidates), shapes))
-        return real(expected, candidates, cost_model, shapes)
+        return real(expected, candidates, cost_model, shapes, weights)
 
     monkeypatch.setattr(chooser, "choose", spy)
     tracker = AcceptanceTracker(probe_every=1, max_backoff=0)

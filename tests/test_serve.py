@@ -1219,6 +1219,8 @@ def test_auto_metrics_lines_render_prometheus_text():
         "cost_model_measured": True,
         "candidates": ["chain:4"],
         "trie_shadows": 5,
+        "rested": 7,
+        "weighted_steps": 2,
     }
     text = "\n".join(auto_metrics_lines(stats))
     samples = _samples(text)
@@ -1230,6 +1232,8 @@ def test_auto_metrics_lines_render_prometheus_text():
     assert samples["treespec_auto_cost_model_measured"] == 1
     assert samples['treespec_auto_cost_model_coefficient{name="a"}'] == 0.01
     assert samples["treespec_auto_trie_shadows_total"] == 5
+    assert samples["treespec_auto_rested_total"] == 7
+    assert samples["treespec_auto_weighted_steps_total"] == 2
     for name in ("treespec_auto_steps_total", "treespec_auto_choices_total"):
         assert f"# TYPE {name} counter" in text
     # a tree name is an escaped label value

@@ -27,6 +27,12 @@ def test_valid_configs_parse():
     assert config.parse(sampled, spec("eagle", 5)).draft_sampling
 
 
+def test_auto_objective_defaults_to_tokens():
+    assert config.parse({"tree": "auto"}, spec(n=16)).auto_objective == "tokens"
+    section = {"tree": "auto", "auto_objective": "makespan"}
+    assert config.parse(section, spec(n=16)).auto_objective == "makespan"
+
+
 def test_trie_takes_vllms_prompt_lookup_range_unless_the_spec_gives_one():
     sc = SimpleNamespace(
         method="ngram", num_speculative_tokens=8, prompt_lookup_min=2, prompt_lookup_max=4
@@ -66,6 +72,8 @@ def test_trie_takes_vllms_prompt_lookup_range_unless_the_spec_gives_one():
         ({"tree": "chain:4", "debug_disable": "walk"}, spec(n=4), "debug_disable"),
         ({"tree": "none"}, spec(n=4), "'none'"),
         ({"tree": "chain:4", "draft_sampling": 1}, spec(n=4), "['draft_sampling'] = 1"),
+        ({"tree": "auto", "auto_objective": "speed"}, spec(n=16), "['auto_objective'] = 'speed'"),
+        ({"tree": "chain:4", "auto_objective": "makespan"}, spec(n=4), "is for tree 'auto'"),
         (
             {"tree": "topk:k=2,depth=4,budget=8", "draft_sampling": True},
             spec(),

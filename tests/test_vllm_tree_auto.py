@@ -6,7 +6,8 @@ seconds in the stats, the cost model refitted on this machine's steps and cached
 Two eager engines, one after the other: the committed target with the committed draft
 LM as vLLM's ``draft_model`` proposer, then with the exported EAGLE head as ``eagle``;
 ``tree: auto`` (its model candidates; 16 draft nodes for the largest), up to 8
-concurrent requests.
+concurrent requests; the first with ``auto_objective`` ``tokens``, the second
+``makespan``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from vllm_engines import (  # noqa: E402
 pytestmark = pytest.mark.full  # make test-all only: an engine, 50-prompt proofs
 
 
+#: each engine's auto_objective: every proof below runs under both
+OBJECTIVE = {"draft_model": "tokens", "eagle": "makespan"}
+
+
 @pytest.fixture(scope="module")
 def reference():
     return plain_outputs(PROMPTS)
@@ -55,8 +60,11 @@ def llm(request, reference):
             "model": model,
             "num_speculative_tokens": 16,
         },
-        additional_config={"treespec": {"tree": "auto"}},
+        additional_config={
+            "treespec": {"tree": "auto", "auto_objective": OBJECTIVE[request.param]}
+        },
     )
+    engine.objective = OBJECTIVE[request.param]
     yield engine
     shutdown(engine)
 
@@ -94,6 +102,10 @@ def test_auto_is_lossless_with_mixed_temperatures(llm, reference):
         assert trees, f"auto never gave a {cls} request a tree: the proof proves nothing"
     assert any(not n.startswith(("ngram", "none")) for n in auto["choices"])
     assert auto["rested"] > 0, "no request rested: the proof does not cover resting steps"
+    if llm.objective == "makespan":  # 50 requests for 8 slots: weighted once none waits
+        assert auto["weighted_steps"] > 0, "the last wave's tokens were never weighted"
+    else:
+        assert auto["weighted_steps"] == 0, auto["weighted_steps"]
     assert stats["tokens_per_step"] > 1.3
     assert auto["measured_steps"] > 50
     assert auto["mean_predicted_s"] > 0 and auto["mean_measured_s"] > 0
@@ -124,10 +136,21 @@ def test_steps_without_drafts_run_vllms_plain_path_and_trees_resume_after(llm, r
 
 
 def test_auto_cost_model_is_fitted_on_this_machine_and_cached(llm):
-    """After the runs above, the cost model was refitted to measured steps (not the
-    start-up guess) and cached as JSON under ``$TREESPEC_CACHE_DIR/auto``."""
+    """Served steps refit the cost model (not the start-up guess), which is cached as
+    JSON under ``$TREESPEC_CACHE_DIR/auto``: served until ``REFIT_EVERY`` steps were
+    timed (a step that prefilled is not; how many the runs above timed varies)."""
+    from vllm import SamplingParams
+
+    from tree_dev.vllm_plugin.auto_choice import REFIT_EVERY
+
     auto = tree_stats(llm)["auto"]
-    assert auto["cost_model_measured"], auto["cost_model"]
+    for _ in range(2 * REFIT_EVERY // 64):
+        if auto["cost_model_measured"]:
+            break
+        params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * 8
+        generate(llm, PROMPTS[:8], params)
+        auto = tree_stats(llm)["auto"]
+    assert auto["cost_model_measured"], (auto["cost_model"], auto["samples"])
     cached = list((Path(os.environ["TREESPEC_CACHE_DIR"]) / "auto").glob("cost-model-*.json"))
     assert cached, "no cost model was cached"
 

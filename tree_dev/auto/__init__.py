@@ -38,6 +38,7 @@ from tree_dev.auto.chooser import (
     StepRecord,
     batch_shape,
     choose,
+    makespan_weights,
 )
 from tree_dev.auto.cost_model import (
     CostModel,
@@ -87,6 +88,7 @@ __all__ = [
     "load_or_measure",
     "machine_fingerprint",
     "make_candidates",
+    "makespan_weights",
     "measure",
     "policy_shape",
     "save_cost_model",

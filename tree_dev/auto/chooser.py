@@ -103,13 +103,16 @@ def choose(
     candidates: Sequence[Candidate],
     cost_model: CostModel,
     shapes: Sequence[Mapping[int, Shape]] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> list[Candidate]:
     """Per request, the candidate maximising the batch's expected tokens per second.
 
     ``expected[i][j]``: tokens a step of ``candidates[j]`` yields for request ``i`` (None:
     not allowed for it). ``shapes[i]``: candidate index -> request ``i``'s shape under it
     this step where it is not the candidate's own (a trie built before the choice,
-    priced at its nodes). Objective: ``sum_i expected[i][x_i] / cost(batch_shape)``.
+    priced at its nodes). ``weights[i]`` > 0: what a token of request ``i`` is worth
+    (default 1 each; ``makespan_weights``). Objective: ``sum_i weights[i] *
+    expected[i][x_i] / cost(batch_shape)``.
     Exact: for every cap ``L`` on draft levels (the shapes' distinct ones), Dinkelbach's
     iteration (``_best_under_cap``, a drafted step's ``f`` charged) solves the ratio,
     which is then scored at its true shape; the best cap wins, unless ``none`` for every
@@ -130,6 +133,11 @@ def choose(
         raise ValueError("choose: each request needs one value per candidate, one not None")
     if shapes is not None and len(shapes) != len(e):
         raise ValueError(f"choose: {len(shapes)} shape overrides for {len(e)} requests")
+    if weights is not None:
+        w = np.asarray(weights, dtype=float)
+        if w.shape != (len(e),) or not np.all(np.isfinite(w) & (w > 0)):
+            raise ValueError(f"choose: weights must be {len(e)} finite numbers > 0, got {weights}")
+        e = e * w[:, None]  # -inf (not allowed) stays -inf
     own = [c.shape for c in candidates]
     per = [list(own) for _ in range(len(e))]
     for i, over in enumerate(shapes or ()):
@@ -160,6 +168,37 @@ def choose(
     return [candidates[j] for j in best]
 
 
+def makespan_weights(remaining: Sequence[int], cost_model: CostModel) -> list[float]:
+    """What a token of each request is worth when the batch only shrinks (no request
+    waits for a slot: an offline batch's last wave), for ``choose``'s ``weights``.
+
+    ``remaining[i]``: the tokens request ``i`` has left at most (its ``max_tokens`` less
+    its output). The batch ends when the requests with the most left end: a token of one
+    of those ``k`` is worth ``n / k`` (all ``k`` a token further is a step of the whole
+    batch saved); a token of any other request saves only its own row of the steps the
+    batch runs anyway, ``n * (b + g) / C`` with ``C`` a plain step of ``n`` requests
+    (``cost_model.raw``), so trees go to the requests that set the batch's end and a
+    request ahead drafts only where its tree is as cheap as its row. Tokens per second
+    of the batch count every token alike (weights 1, what this returns when every
+    request has the same length left): right where a request that ends frees a slot for
+    another, wrong for the last wave, where a request drafted ahead of the others ends
+    early and the rest run on in a smaller batch that costs almost as much a step.
+
+    >>> m = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, g=0.001)  # a plain step of 4: 48 ms
+    >>> makespan_weights([10, 10, 10, 10], m), makespan_weights([10, 7, 10, 3], m)
+    ([1.0, 1.0, 1.0, 1.0], [2.0, 0.16666666666666666, 2.0, 0.16666666666666666])
+    """
+    n = len(remaining)
+    if n == 0:
+        return []
+    top = max(remaining)
+    k = sum(1 for r in remaining if r >= top)
+    plain = cost_model.raw(Shape(n, 0, 0, 0, 0, n))
+    row = n * (cost_model.b + cost_model.g) / plain if plain > 0 else 1.0
+    other = min(max(row, 1e-3), 1.0)
+    return [n / k if r >= top else other for r in remaining]
+
+
 @dataclass
 class AutoStats:
     """What ``tree: auto`` chose and how well it predicted (``as_dict`` for /metrics)."""
@@ -177,6 +216,7 @@ class AutoStats:
     correction: float = 1.0
     trie_shadows: int = 0  # tries scored on steps that did not run them
     rested: int = 0  # request-steps given none without a choice (``AutoPolicy``'s rest)
+    weighted_steps: int = 0  # choices with unequal token weights (``makespan_weights``)
 
     def count(self, cls: str, name: str) -> None:
         self.choices[cls][name] = self.choices[cls].get(name, 0) + 1
@@ -207,6 +247,7 @@ class AutoStats:
             "correction": self.correction,
             "trie_shadows": self.trie_shadows,
             "rested": self.rested,
+            "weighted_steps": self.weighted_steps,
         }
 
 
@@ -429,6 +470,7 @@ class AutoPolicy:
         unavailable: Mapping[Any, Collection[str]] | None = None,
         tries: Mapping[Any, Mapping[str, Trie | None]] | None = None,
         behind: Mapping[Any, int] | None = None,
+        weights: Mapping[Any, float] | None = None,
     ) -> dict[Any, Candidate]:
         """``[(req_id, temperature), ...]`` -> per request its candidate for this step.
         ``unavailable``: per request, candidates that cannot run for it this step (an
@@ -448,7 +490,9 @@ class AutoPolicy:
         (the candidate a probe slot offers) is priced with its whole catch-up: a probe is
         judged on its one step, read at an upper bound, so at what that step costs; where
         even its whole tree accepted would not pay for the catch-up (a large batch, a
-        request far behind), it does not run."""
+        request far behind), it does not run. ``weights``: per request, what its token is
+        worth (``choose``; default 1: ``makespan_weights`` for a batch that only
+        shrinks)."""
         t0 = self._clock()
         classes = [temperature_class(t) for _, t in requests]
         resting = {rid for rid, _ in requests if self.resting(rid)}
@@ -486,7 +530,9 @@ class AutoPolicy:
             if whole > late and offer is not None and index[offer] in caught_up[late]:
                 over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
         if awake or self._none is None:
-            picks = choose(expected, self.candidates, self.cost_model, shapes)
+            w = None if weights is None else [weights.get(rid, 1.0) for rid, _ in requests]
+            picks = choose(expected, self.candidates, self.cost_model, shapes, w)
+            self.stats.weighted_steps += w is not None and len(set(w)) > 1
         else:  # every request rests: none, unread, without the solver
             picks = [self.candidates[self._none]] * len(requests)
         for (rid, _), c in zip(requests, picks):

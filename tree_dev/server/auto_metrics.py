@@ -113,6 +113,21 @@ def auto_metrics_lines(stats: Mapping[str, Any]) -> list[str]:
             "N-gram tries built but not run, scored against the tokens that followed.",
             [("", stats["trie_shadows"])],
         )
+    if "rested" in stats:
+        lines += _metric(
+            "treespec_auto_rested_total",
+            "counter",
+            "Request-steps given none without a choice: requests where nothing paid, resting.",
+            [("", stats["rested"])],
+        )
+    if "weighted_steps" in stats:
+        lines += _metric(
+            "treespec_auto_weighted_steps_total",
+            "counter",
+            "Choices where requests' tokens were weighted by how far each was from the "
+            "batch's end (auto_objective makespan, no request waiting).",
+            [("", stats["weighted_steps"])],
+        )
     if "cost_model_measured" in stats:
         lines += _metric(
             "treespec_auto_cost_model_measured",

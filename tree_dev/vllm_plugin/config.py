@@ -52,6 +52,7 @@ KEY = "treespec"
 MODEL_METHODS = tuple(VLLM_METHOD[kind] for kind in MODEL_DRAFTS)  # draft_model, eagle
 DEBUG_SWITCHES = ("mask", "positions", "compaction", "draft_mask")
 KERNEL_BACKENDS = ("auto", "torch", "reference", "triton")
+AUTO_OBJECTIVES = ("tokens", "makespan")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class TreeConfig:
     kernel_backend: str = "auto"
     debug_disable: str | None = None
     record_trees: int = 0
+    auto_objective: str = "tokens"
 
     def with_policy(self, policy: Policy) -> TreeConfig:
         """The same config with another tree of the same draft (``treespec_set_tree``)."""
@@ -160,7 +162,28 @@ def parse(
     )
     backend = _kernel_backend(section, policy, settings.spec, device)
     debug, record = _options(section, kv_cache_dtype)
-    return TreeConfig(settings, backend, debug, record)
+    return TreeConfig(settings, backend, debug, record, _auto_objective(section, policy))
+
+
+def _auto_objective(section: dict, policy: Policy) -> str:
+    """The ``auto_objective`` key of ``tree: auto``: what a step's choice maximises.
+    ``tokens`` (the default): the batch's expected tokens per second, every request's
+    token alike (a server: a request that ends frees its slot for the next).
+    ``makespan``: the same while requests wait for a slot; once none waits (an offline
+    batch's last wave), a token is worth what it shortens the batch
+    (``auto.makespan_weights``)."""
+    objective = section.get("auto_objective", "tokens")
+    if objective not in AUTO_OBJECTIVES:
+        raise ValueError(
+            f"additional_config['treespec']['auto_objective'] = {objective!r}; "
+            f"expected one of {AUTO_OBJECTIVES}"
+        )
+    if "auto_objective" in section and not isinstance(policy, AutoTreePolicy):
+        raise ValueError(
+            "additional_config['treespec']['auto_objective'] is for tree 'auto'; "
+            f"the tree is {section.get('tree')!r}"
+        )
+    return objective
 
 
 def _settings(section: dict, speculative_config: Any) -> TreeSettings:

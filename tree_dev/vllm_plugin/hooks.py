@@ -353,6 +353,18 @@ def _scheduler_update(orig):
     return update_from_output
 
 
+def _schedule(orig):
+    def schedule(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        try:  # requests waiting for a slot (tree auto's makespan objective reads it)
+            out.treespec_waiting = self.get_request_counts()[1]
+        except (AttributeError, TypeError):
+            pass  # no count: the proposer treats the batch as a server's
+        return out
+
+    return schedule
+
+
 def _post_step(orig):
     def post_step(self, model_executed: bool) -> None:
         scheduler = getattr(self, "scheduler", None)
@@ -468,6 +480,14 @@ CATALOGUE: tuple[Patch, ...] = (
         "model output to the scheduler (update_draft_token_ids, as post_step does)",
         "wrap",
         _scheduler_update,
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        "engine core: note on each SchedulerOutput how many requests wait for a slot "
+        "(treespec_waiting; get_request_counts), which tree auto's makespan objective "
+        "reads: while requests wait, a request that ends frees a slot for the next",
+        "wrap",
+        _schedule,
     ),
     Patch(
         "vllm.v1.engine.core:EngineCore.post_step",

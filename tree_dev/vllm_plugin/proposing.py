@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tree_dev.auto import makespan_weights
 from tree_dev.proposer import NgramHistory
 from tree_dev.spec import is_ngram
 from tree_dev.step import GREEDY_TEMPERATURE, Proposal
@@ -91,7 +92,7 @@ class TreeProposer:
         if not todo or getattr(scheduler_output, "num_spec_tokens_to_schedule", None) == 0:
             return out
         if self.auto is not None:
-            self._propose_auto(todo, out)
+            self._propose_auto(todo, out, self._weights(scheduler_output, todo))
             self.auto.drafted()
         elif is_ngram(self.cfg.policy):
             self._propose_ngram(todo, out)
@@ -99,9 +100,32 @@ class TreeProposer:
             self._propose_model(todo, out)
         return out
 
-    def _propose_auto(self, todo: list[tuple[int, str, int]], out: list[list[int]]) -> None:
+    def _weights(self, scheduler_output, todo: list[tuple[int, str, int]]) -> dict | None:
+        """Per request, what its token is worth this step (``auto.makespan_weights``) under
+        ``auto_objective: makespan`` when no request waits for a slot (the scheduler's
+        ``treespec_waiting``); else None: every token alike."""
+        if self.cfg.auto_objective != "makespan" or len(todo) < 2:
+            return None
+        if getattr(scheduler_output, "treespec_waiting", None) != 0:
+            return None
+        r = self.tr.runner
+        remaining = []
+        for _, rid, n_tokens in todo:
+            state = r.requests[rid]
+            left = r.max_model_len - n_tokens
+            max_tokens = getattr(state.sampling_params, "max_tokens", None)
+            if max_tokens is not None:
+                left = min(left, max_tokens - len(state.output_token_ids))
+            remaining.append(max(left, 0))
+        weights = makespan_weights(remaining, self.auto.auto.cost_model)
+        return {rid: w for (_, rid, _), w in zip(todo, weights)}
+
+    def _propose_auto(
+        self, todo: list[tuple[int, str, int]], out: list[list[int]], weights: dict | None = None
+    ) -> None:
         """``tree: auto``: each request's tree of this step (``VllmAuto.choose``): none,
-        an n-gram trie, or a tree the draft model grows (sampled drafts where chosen)."""
+        an n-gram trie, or a tree the draft model grows (sampled drafts where chosen);
+        ``weights``: per request, what its token is worth (``_weights``)."""
         states, tokens = self.tr.runner.requests, self.tr.runner.input_batch.token_ids_cpu
         temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
         auto = self.auto.auto
@@ -111,7 +135,8 @@ class TreeProposer:
             if not auto.resting(rid)
         }
         behind = {rid: self._behind(rid, n) for _, rid, n in todo}
-        picks = self.auto.choose([(rid, t) for (_, rid, _), t in zip(todo, temps)], built, behind)
+        requests = [(rid, t) for (_, rid, _), t in zip(todo, temps)]
+        picks = self.auto.choose(requests, built, behind, weights)
         model = []
         for (i, rid, n_tokens), temp in zip(todo, temps):
             cand = picks[rid]
