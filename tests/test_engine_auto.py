@@ -54,14 +54,18 @@ def _engine(models, draft_kind: str | None, **kw) -> Engine:
     return Engine(target, tree=kw.pop("tree", "auto"), auto_cost_model=PAYS, **kw)
 
 
-@pytest.mark.parametrize("draft_kind", ["draft", "eagle", None])
+@pytest.mark.parametrize(
+    "draft_kind, objective",
+    [("draft", "tokens"), ("eagle", "tokens"), (None, "tokens"), ("draft", "makespan")],
+)
 def test_auto_is_lossless_with_mixed_temperatures_in_one_batch(
-    models, prompts_and_greedy, draft_kind
+    models, prompts_and_greedy, draft_kind, objective
 ):
     """50 prompts, every other one at T=0.8, one batch of 16: every greedy request is the
-    target's greedy output token for token, while auto gives the two classes trees."""
+    target's greedy output token for token, while auto gives the two classes trees; under
+    the makespan objective the last wave's tokens are weighted (none waits then)."""
     prompts, want = prompts_and_greedy
-    engine = _engine(models, draft_kind, max_batch=16)
+    engine = _engine(models, draft_kind, max_batch=16, auto_objective=objective)
     params = [
         SamplingParams(max_tokens=12)
         if i % 2 == 0
@@ -82,6 +86,10 @@ def test_auto_is_lossless_with_mixed_temperatures_in_one_batch(
     assert engine.runner.cache.free_blocks == engine.runner.cache.num_blocks
     assert stats["measured_steps"] == stats["steps"] > 0
     assert stats["trie_shadows"] > 0  # tries built and not run were scored
+    if objective == "makespan":
+        assert stats["weighted_steps"] > 0, "the last wave's tokens were never weighted"
+    else:
+        assert stats["weighted_steps"] == 0
 
 
 def test_auto_proof_fails_without_the_tree_mask(models, prompts_and_greedy, monkeypatch):
@@ -130,8 +138,8 @@ def test_auto_leaves_a_draft_whose_acceptance_collapses(models):
     picks: list[str] = []
     choose = engine.auto.choose
 
-    def recording(batch):
-        out = choose(batch)
+    def recording(batch, waiting=None):
+        out = choose(batch, waiting)
         picks.append(out[0].spec)
         if len(picks) == 12:  # the draft goes wrong from the next step on
             head = engine.draft_runner.model.lm_head.weight
@@ -208,6 +216,7 @@ def test_auto_candidates_follow_the_draft(models):
         ({"tree": "auto", "draft_sampling": True}, "chain:K\\+sampled"),
         ({"tree": "auto:topk:k=2,depth=2,budget=4+sampled"}, "sampled drafts need a static"),
         ({"tree": "auto:chain:2;;none"}, "empty candidate"),
+        ({"tree": "auto", "auto_objective": "speed"}, "auto objective 'speed'"),
     ],
 )
 def test_bad_auto_specs_fail_before_any_work(models, kw, match):

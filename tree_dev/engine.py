@@ -60,7 +60,7 @@ from tree_dev.acceptance import (
     check_finite_logits,
     compact_accepted,
 )
-from tree_dev.auto import CostModel
+from tree_dev.auto import CostModel, check_objective
 from tree_dev.drafting import draft_forward, draft_requests, mark_drafted, undrafted_proposals
 from tree_dev.engine_auto import LocalAuto, is_undrafted
 from tree_dev.engine_setup import (
@@ -129,6 +129,10 @@ class Engine:
             with the engine's own steps and cached.
         auto_cache_dir: where measured cost models are cached (default
             ``$TREESPEC_CACHE_DIR/auto`` or ``~/.cache/treespec/auto``).
+        auto_objective: what ``tree="auto"`` maximises (``tree_dev.auto.OBJECTIVES``):
+            ``"tokens"``, the batch's tokens per second (a server), or ``"makespan"``:
+            the same while requests wait, then, for the last wave, a token is worth what
+            it shortens the batch (``auto.objective_weights``).
     """
 
     def __init__(
@@ -148,8 +152,10 @@ class Engine:
         tree_kernel: bool = False,
         auto_cost_model: CostModel | None = None,
         auto_cache_dir: str | Path | None = None,
+        auto_objective: str = "tokens",
     ):
         settings = TreeSettings.parse(tree, draft_sampling)
+        check_objective(auto_objective)
         self.policy: Policy = settings.policy
         if isinstance(self.policy, AutoTreePolicy):  # the candidates its draft runs
             kind = "eagle" if eagle is not None else "draft" if draft is not None else None
@@ -186,7 +192,7 @@ class Engine:
         self.last_verify_rows = 0  # tree nodes the target verified in the last step
         self.auto: LocalAuto | None = None
         if isinstance(self.policy, AutoTreePolicy):
-            self.auto = LocalAuto(self.policy, auto_cost_model)
+            self.auto = LocalAuto(self.policy, auto_cost_model, auto_objective)
             self.auto.load_or_calibrate(self, auto_cache_dir)
 
     # ----------------------------------------------------------------- public API
@@ -251,7 +257,7 @@ class Engine:
         batch = list(self.running)
         t0 = time.perf_counter()
         if self.auto is not None:
-            policies = self.auto.choose(batch)
+            policies = self.auto.choose(batch, waiting=len(self.waiting))
         else:
             policies = [self.policy] * len(batch)
         proposals = self._propose(batch, policies)

@@ -26,8 +26,10 @@ from tree_dev.auto import (
     StepOutcome,
     batch_shape,
     cache_key,
+    check_objective,
     default_cache_dir,
     load_cost_model,
+    objective_weights,
     save_cost_model,
     with_catch_up,
 )
@@ -46,8 +48,13 @@ class LocalAuto:
     measured now (``calibrate``) and cached.
     """
 
-    def __init__(self, policy: AutoTreePolicy, cost_model: CostModel | None = None):
-        self.policy = policy
+    def __init__(
+        self,
+        policy: AutoTreePolicy,
+        cost_model: CostModel | None = None,
+        objective: str = "tokens",
+    ):
+        self.policy, self.objective = policy, check_objective(objective)
         self.auto = AutoPolicy(policy, cost_model or CostModel(a=1.0, b=0.0, c=0.0, d=0.0))
         self.measured = cost_model is not None
         self._forced: Candidate | None = None
@@ -66,9 +73,10 @@ class LocalAuto:
         out["cost_model_measured"] = self.measured
         return out
 
-    def choose(self, batch: Sequence[Request]) -> list[Policy]:
+    def choose(self, batch: Sequence[Request], waiting: int | None = None) -> list[Policy]:
         """Per request, this step's tree; sets ``sampled_drafts`` where the pick draws a
-        sampled request's drafts from the draft model."""
+        sampled request's drafts from the draft model. ``waiting``: requests queued for
+        a slot (the ``makespan`` objective weighs tokens once none waits)."""
         if self._forced is not None:
             picks = [self._forced] * len(batch)
         else:
@@ -78,7 +86,9 @@ class LocalAuto:
                 if not self.auto.resting(r.req_id)  # given none unread: no tries needed
             }
             reqs = [(r.req_id, r.params.temperature) for r in batch]
-            chosen = self.auto.choose(reqs, tries=tries, behind=behind_of(batch))
+            left = {r.req_id: r.params.max_tokens - len(r.output) for r in batch}
+            weights = objective_weights(self.objective, waiting, left, self.auto.cost_model)
+            chosen = self.auto.choose(reqs, tries=tries, behind=behind_of(batch), weights=weights)
             picks = [chosen[r.req_id] for r in batch]
         for r, c in zip(batch, picks):
             r.sampled_drafts = c.sampled_drafts and r.mode != "greedy"

@@ -32,13 +32,16 @@ cost model, the same steps give the same choices.
 
 from tree_dev.auto.acceptance import AcceptanceTracker
 from tree_dev.auto.chooser import (
+    OBJECTIVES,
     AutoPolicy,
     AutoStats,
     StepOutcome,
     StepRecord,
     batch_shape,
+    check_objective,
     choose,
     makespan_weights,
+    objective_weights,
 )
 from tree_dev.auto.cost_model import (
     CostModel,
@@ -69,6 +72,7 @@ from tree_dev.auto.shapes import (
 
 __all__ = [
     "CLASSES",
+    "OBJECTIVES",
     "AcceptanceTracker",
     "AutoPolicy",
     "AutoStats",
@@ -80,6 +84,7 @@ __all__ = [
     "batch_shape",
     "cache_key",
     "cache_path",
+    "check_objective",
     "default_cache_dir",
     "choose",
     "default_shapes",
@@ -89,6 +94,7 @@ __all__ = [
     "machine_fingerprint",
     "make_candidates",
     "makespan_weights",
+    "objective_weights",
     "measure",
     "policy_shape",
     "save_cost_model",

@@ -199,6 +199,39 @@ def makespan_weights(remaining: Sequence[int], cost_model: CostModel) -> list[fl
     return [n / k if r >= top else other for r in remaining]
 
 
+#: what ``tree: auto`` maximises (``objective_weights``); ``tokens`` is the default
+OBJECTIVES = ("tokens", "makespan")
+
+
+def check_objective(objective: str) -> str:
+    """``objective`` when it is one of ``OBJECTIVES``, else a ``ValueError`` naming it."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"auto objective {objective!r}: expected one of {OBJECTIVES}")
+    return objective
+
+
+def objective_weights(
+    objective: str, waiting: int | None, remaining: Mapping[Any, int], cost_model: CostModel
+) -> dict[Any, float] | None:
+    """``AutoPolicy.choose``'s ``weights`` under ``objective`` (``OBJECTIVES``), or None
+    (every token alike). ``tokens``: None: the batch's tokens per second (a server: a
+    request that ends frees its slot for the next). ``makespan``: the same while
+    ``waiting`` > 0 requests wait for a slot (or the engine cannot tell: None); once none
+    waits (an offline batch's last wave), ``makespan_weights`` of each request's tokens
+    left at most, ``remaining``.
+
+    >>> m = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, g=0.001)
+    >>> objective_weights("makespan", 3, {"a": 10, "b": 4}, m) is None
+    True
+    >>> objective_weights("makespan", 0, {"a": 10, "b": 4}, m)
+    {'a': 2.0, 'b': 0.0909090909090909}
+    """
+    if check_objective(objective) == "tokens" or waiting != 0 or len(remaining) < 2:
+        return None
+    weights = makespan_weights(list(remaining.values()), cost_model)
+    return dict(zip(remaining, weights))
+
+
 @dataclass
 class AutoStats:
     """What ``tree: auto`` chose and how well it predicted (``as_dict`` for /metrics)."""

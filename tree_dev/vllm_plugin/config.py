@@ -52,7 +52,6 @@ KEY = "treespec"
 MODEL_METHODS = tuple(VLLM_METHOD[kind] for kind in MODEL_DRAFTS)  # draft_model, eagle
 DEBUG_SWITCHES = ("mask", "positions", "compaction", "draft_mask")
 KERNEL_BACKENDS = ("auto", "torch", "reference", "triton")
-AUTO_OBJECTIVES = ("tokens", "makespan")
 
 
 @dataclass(frozen=True)
@@ -166,17 +165,18 @@ def parse(
 
 
 def _auto_objective(section: dict, policy: Policy) -> str:
-    """The ``auto_objective`` key of ``tree: auto``: what a step's choice maximises.
-    ``tokens`` (the default): the batch's expected tokens per second, every request's
-    token alike (a server: a request that ends frees its slot for the next).
-    ``makespan``: the same while requests wait for a slot; once none waits (an offline
-    batch's last wave), a token is worth what it shortens the batch
-    (``auto.makespan_weights``)."""
+    """The ``auto_objective`` key of ``tree: auto``: what a step's choice maximises
+    (``auto.objective_weights``). ``tokens`` (the default): the batch's expected tokens
+    per second, every request's token alike (a server: a request that ends frees its
+    slot for the next). ``makespan``: the same while requests wait for a slot; once none
+    waits (an offline batch's last wave), a token is worth what it shortens the batch."""
+    from tree_dev.auto import OBJECTIVES
+
     objective = section.get("auto_objective", "tokens")
-    if objective not in AUTO_OBJECTIVES:
+    if objective not in OBJECTIVES:
         raise ValueError(
             f"additional_config['treespec']['auto_objective'] = {objective!r}; "
-            f"expected one of {AUTO_OBJECTIVES}"
+            f"expected one of {OBJECTIVES}"
         )
     if "auto_objective" in section and not isinstance(policy, AutoTreePolicy):
         raise ValueError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tree_dev.auto import makespan_weights
+from tree_dev.auto import objective_weights
 from tree_dev.proposer import NgramHistory
 from tree_dev.spec import is_ngram
 from tree_dev.step import GREEDY_TEMPERATURE, Proposal
@@ -104,21 +104,20 @@ class TreeProposer:
         """Per request, what its token is worth this step (``auto.makespan_weights``) under
         ``auto_objective: makespan`` when no request waits for a slot (the scheduler's
         ``treespec_waiting``); else None: every token alike."""
-        if self.cfg.auto_objective != "makespan" or len(todo) < 2:
-            return None
-        if getattr(scheduler_output, "treespec_waiting", None) != 0:
+        objective = self.cfg.auto_objective
+        waiting = getattr(scheduler_output, "treespec_waiting", None)
+        if objective == "tokens" or waiting != 0:
             return None
         r = self.tr.runner
-        remaining = []
+        remaining = {}
         for _, rid, n_tokens in todo:
             state = r.requests[rid]
             left = r.max_model_len - n_tokens
             max_tokens = getattr(state.sampling_params, "max_tokens", None)
             if max_tokens is not None:
                 left = min(left, max_tokens - len(state.output_token_ids))
-            remaining.append(max(left, 0))
-        weights = makespan_weights(remaining, self.auto.auto.cost_model)
-        return {rid: w for (_, rid, _), w in zip(todo, weights)}
+            remaining[rid] = max(left, 0)
+        return objective_weights(objective, waiting, remaining, self.auto.auto.cost_model)
 
     def _propose_auto(
         self, todo: list[tuple[int, str, int]], out: list[list[int]], weights: dict | None = None
