@@ -587,19 +587,21 @@ def test_choose_with_token_weights_is_the_exact_optimum(rows, bcdef):
 
 def test_makespan_weights_send_the_tree_to_the_request_the_batch_waits_for():
     """A wave of two requests, each with a trie yielding 3 tokens for 8 ms more a step
-    (plain 18 ms). Counted alike, both draft (6 tokens / 34 ms > 2 / 18 ms).
-    Request "a" 6 tokens ahead: its token saves only its row, (b + g) = 2 ms of an 18 ms
-    step, weight 2 * 2 / 18; "b" sets the batch's end, weight 2: only "b" drafts.
-    Equal lengths left: weights 1, the tokens objective unchanged."""
+    (plain 18 ms). Counted alike, both draft (6 tokens / 34 ms > 2 / 18 ms). Request "a"
+    20 tokens left, "b" 26, both at 3 tokens a step: the batch ends no sooner than 26 / 3
+    = 8.7 steps, and "a" undrafted would take 20: both need drafts, weights 1. With "a"
+    8 left, it ends within 8.7 steps undrafted: its token saves only its row, (b + g) =
+    2 ms of an 18 ms step, weight 2 * 2 / 18; "b" sets the end, weight 2; only "b"
+    drafts."""
     cands = make_candidates(["ngram:budget=4"])
     cost = CostModel(a=0.014, b=0.001, c=0.0, d=0.0, f=0.0, g=0.001)
     rows = [[1.0, 3.0], [1.0, 3.0]]
     built = [{1: Shape(9, 0, 0, 0, 1)}] * 2
     assert names(choose(rows, cands, cost, built)) == ["ngram:budget=4"] * 2
-    w = auto.makespan_weights([20, 26], cost)
+    assert auto.makespan_weights([20, 26], [3.0, 3.0], cost) == [1.0, 1.0]
+    w = auto.makespan_weights([8, 26], [3.0, 3.0], cost)
     assert w == pytest.approx([2 * 0.002 / 0.018, 2.0])
     assert names(choose(rows, cands, cost, built, w)) == ["none", "ngram:budget=4"]
-    assert auto.makespan_weights([26, 26], cost) == [1.0, 1.0]
     with pytest.raises(ValueError, match="weights must be 2 finite numbers > 0"):
         choose(rows, cands, cost, built, [1.0, 0.0])
 

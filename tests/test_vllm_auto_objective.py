@@ -1,6 +1,6 @@
-"""``auto_objective: makespan`` inside the plugin (no engine needed): the proposer weighs
-requests' tokens only when the scheduler says no request waits, from each request's
-tokens left (its ``max_tokens`` less its output, or the model length), and not at all
+"""``auto_objective: makespan`` inside the plugin (no engine needed): the proposer hands
+the chooser each request's tokens left (its ``max_tokens`` less its output, or the model
+length), to weigh tokens by, only when the scheduler says no request waits, and never
 under the default ``tokens`` objective."""
 
 from __future__ import annotations
@@ -9,13 +9,9 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from tree_dev.auto import CostModel, makespan_weights
-
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/setup installs it)")
 
 from tree_dev.vllm_plugin.proposing import TreeProposer  # noqa: E402
-
-COST = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, g=0.001)
 
 
 def proposer(objective: str) -> TreeProposer:
@@ -30,28 +26,23 @@ def proposer(objective: str) -> TreeProposer:
         max_model_len=512,
     )
     tr = NS(cfg=NS(policy=None, auto_objective=objective), runner=runner)
-    p = TreeProposer(tr)
-    p.auto = NS(auto=NS(cost_model=COST))
-    return p
+    return TreeProposer(tr)
 
 
 # (batch row, request, committed tokens: prompt + output)
 TODO = [(0, "a", 130), (1, "b", 110), (2, "c", 400)]
 
 
-def test_makespan_weighs_tokens_once_no_request_waits():
-    p = proposer("makespan")
-    got = p._weights(NS(treespec_waiting=0), TODO)
-    want = makespan_weights([34, 54, 112], COST)  # "c" sets the batch's end
-    assert got == {"a": want[0], "b": want[1], "c": want[2]}
-    assert got["c"] == 3.0 and got["a"] == got["b"] < 1.0
+def test_makespan_hands_over_the_tokens_left_once_no_request_waits():
+    got = proposer("makespan")._remaining(NS(treespec_waiting=0), TODO)
+    assert got == {"a": 34, "b": 54, "c": 112}  # c: 512 - 400, no max_tokens
 
 
 @pytest.mark.parametrize("waiting", [1, 5, None])
 def test_makespan_counts_tokens_alike_while_requests_wait_or_nothing_says(waiting):
     out = NS() if waiting is None else NS(treespec_waiting=waiting)
-    assert proposer("makespan")._weights(out, TODO) is None
+    assert proposer("makespan")._remaining(out, TODO) is None
 
 
 def test_the_tokens_objective_never_weighs():
-    assert proposer("tokens")._weights(NS(treespec_waiting=0), TODO) is None
+    assert proposer("tokens")._remaining(NS(treespec_waiting=0), TODO) is None

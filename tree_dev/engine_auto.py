@@ -29,7 +29,7 @@ from tree_dev.auto import (
     check_objective,
     default_cache_dir,
     load_cost_model,
-    objective_weights,
+    makespan_applies,
     save_cost_model,
     with_catch_up,
 )
@@ -86,9 +86,10 @@ class LocalAuto:
                 if not self.auto.resting(r.req_id)  # given none unread: no tries needed
             }
             reqs = [(r.req_id, r.params.temperature) for r in batch]
-            left = {r.req_id: r.params.max_tokens - len(r.output) for r in batch}
-            weights = objective_weights(self.objective, waiting, left, self.auto.cost_model)
-            chosen = self.auto.choose(reqs, tries=tries, behind=behind_of(batch), weights=weights)
+            left = None
+            if makespan_applies(self.objective, waiting):
+                left = {r.req_id: r.params.max_tokens - len(r.output) for r in batch}
+            chosen = self.auto.choose(reqs, tries=tries, behind=behind_of(batch), remaining=left)
             picks = [chosen[r.req_id] for r in batch]
         for r, c in zip(batch, picks):
             r.sampled_drafts = c.sampled_drafts and r.mode != "greedy"

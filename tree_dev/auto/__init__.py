@@ -40,8 +40,8 @@ from tree_dev.auto.chooser import (
     batch_shape,
     check_objective,
     choose,
+    makespan_applies,
     makespan_weights,
-    objective_weights,
 )
 from tree_dev.auto.cost_model import (
     CostModel,
@@ -93,8 +93,8 @@ __all__ = [
     "load_or_measure",
     "machine_fingerprint",
     "make_candidates",
+    "makespan_applies",
     "makespan_weights",
-    "objective_weights",
     "measure",
     "policy_shape",
     "save_cost_model",

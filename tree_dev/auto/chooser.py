@@ -168,38 +168,48 @@ def choose(
     return [candidates[j] for j in best]
 
 
-def makespan_weights(remaining: Sequence[int], cost_model: CostModel) -> list[float]:
+def makespan_weights(
+    remaining: Sequence[int], pace: Sequence[float], cost_model: CostModel
+) -> list[float]:
     """What a token of each request is worth when the batch only shrinks (no request
     waits for a slot: an offline batch's last wave), for ``choose``'s ``weights``.
 
     ``remaining[i]``: the tokens request ``i`` has left at most (its ``max_tokens`` less
-    its output). The batch ends when the requests with the most left end: a token of one
-    of those ``k`` is worth ``n / k`` (all ``k`` a token further is a step of the whole
-    batch saved); a token of any other request saves only its own row of the steps the
-    batch runs anyway, ``n * (b + g) / C`` with ``C`` a plain step of ``n`` requests
-    (``cost_model.raw``), so trees go to the requests that set the batch's end and a
-    request ahead drafts only where its tree is as cheap as its row. Tokens per second
-    of the batch count every token alike (weights 1, what this returns when every
-    request has the same length left): right where a request that ends frees a slot for
-    another, wrong for the last wave, where a request drafted ahead of the others ends
-    early and the rest run on in a smaller batch that costs almost as much a step.
+    its output); ``pace[i]`` >= 1: its tokens a step at best (its best candidate's
+    expected tokens). The batch ends no sooner than ``T = max_i remaining[i] /
+    pace[i]`` steps. A request with ``remaining[i] <= T`` finishes by then without a
+    draft: its token saves only its own row of the steps the batch runs anyway, worth
+    ``n * (b + g) / C`` (``C`` a plain step of ``n`` requests, ``cost_model.raw``) of
+    the tokens objective's. The others, the ``k`` that need drafts to end by ``T`` (and
+    those that set it), are worth ``n / k``. So trees go to the requests that set the
+    batch's end, and one that would end early anyway drafts only where its tree costs
+    no more than its row. With the same tokens left and pace everywhere every weight
+    is 1: the tokens objective, right where a request that ends frees a slot for the
+    next, wrong for a last wave, where a request drafted ahead ends early and the rest
+    run on in a smaller batch that costs almost as much a step.
 
     >>> m = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, g=0.001)  # a plain step of 4: 48 ms
-    >>> makespan_weights([10, 10, 10, 10], m), makespan_weights([10, 7, 10, 3], m)
-    ([1.0, 1.0, 1.0, 1.0], [2.0, 0.16666666666666666, 2.0, 0.16666666666666666])
+    >>> makespan_weights([10, 10, 10, 10], [2.0] * 4, m)
+    [1.0, 1.0, 1.0, 1.0]
+    >>> makespan_weights([10, 10, 10, 10], [3.0, 1.0, 3.0, 3.0], m)  # "1" sets the end
+    [0.16666666666666666, 4.0, 0.16666666666666666, 0.16666666666666666]
+    >>> makespan_weights([12, 10, 4, 10], [3.0, 2.0, 1.0, 1.0], m)  # "3" sets it, at 10
+    [2.0, 0.16666666666666666, 0.16666666666666666, 2.0]
     """
     n = len(remaining)
     if n == 0:
         return []
-    top = max(remaining)
-    k = sum(1 for r in remaining if r >= top)
+    steps = [r / max(p, 1.0) for r, p in zip(remaining, pace)]
+    end = max(steps)
+    needs = [r > end or t >= end for r, t in zip(remaining, steps)]
+    k = sum(needs)
     plain = cost_model.raw(Shape(n, 0, 0, 0, 0, n))
     row = n * (cost_model.b + cost_model.g) / plain if plain > 0 else 1.0
     other = min(max(row, 1e-3), 1.0)
-    return [n / k if r >= top else other for r in remaining]
+    return [n / k if need else other for need in needs]
 
 
-#: what ``tree: auto`` maximises (``objective_weights``); ``tokens`` is the default
+#: what ``tree: auto`` maximises (``makespan_applies``); ``tokens`` is the default
 OBJECTIVES = ("tokens", "makespan")
 
 
@@ -210,26 +220,20 @@ def check_objective(objective: str) -> str:
     return objective
 
 
-def objective_weights(
-    objective: str, waiting: int | None, remaining: Mapping[Any, int], cost_model: CostModel
-) -> dict[Any, float] | None:
-    """``AutoPolicy.choose``'s ``weights`` under ``objective`` (``OBJECTIVES``), or None
-    (every token alike). ``tokens``: None: the batch's tokens per second (a server: a
-    request that ends frees its slot for the next). ``makespan``: the same while
-    ``waiting`` > 0 requests wait for a slot (or the engine cannot tell: None); once none
-    waits (an offline batch's last wave), ``makespan_weights`` of each request's tokens
-    left at most, ``remaining``.
+def makespan_applies(objective: str, waiting: int | None) -> bool:
+    """Whether ``AutoPolicy.choose`` weighs requests' tokens (``makespan_weights``: an
+    engine then passes each request's tokens left as ``remaining``) under ``objective``
+    (``OBJECTIVES``) with ``waiting`` requests queued for a slot. ``tokens``: never: the
+    batch's tokens per second (a server, where a request that ends frees its slot for
+    the next). ``makespan``: once no request waits (an offline batch's last wave); not
+    while requests wait, nor where the engine cannot tell (None).
 
-    >>> m = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, g=0.001)
-    >>> objective_weights("makespan", 3, {"a": 10, "b": 4}, m) is None
-    True
-    >>> objective_weights("makespan", 0, {"a": 10, "b": 4}, m)
-    {'a': 2.0, 'b': 0.0909090909090909}
+    >>> makespan_applies("makespan", 0), makespan_applies("makespan", 3)
+    (True, False)
+    >>> makespan_applies("tokens", 0), makespan_applies("makespan", None)
+    (False, False)
     """
-    if check_objective(objective) == "tokens" or waiting != 0 or len(remaining) < 2:
-        return None
-    weights = makespan_weights(list(remaining.values()), cost_model)
-    return dict(zip(remaining, weights))
+    return check_objective(objective) == "makespan" and waiting == 0
 
 
 @dataclass
@@ -503,7 +507,7 @@ class AutoPolicy:
         unavailable: Mapping[Any, Collection[str]] | None = None,
         tries: Mapping[Any, Mapping[str, Trie | None]] | None = None,
         behind: Mapping[Any, int] | None = None,
-        weights: Mapping[Any, float] | None = None,
+        remaining: Mapping[Any, int] | None = None,
     ) -> dict[Any, Candidate]:
         """``[(req_id, temperature), ...]`` -> per request its candidate for this step.
         ``unavailable``: per request, candidates that cannot run for it this step (an
@@ -523,9 +527,10 @@ class AutoPolicy:
         (the candidate a probe slot offers) is priced with its whole catch-up: a probe is
         judged on its one step, read at an upper bound, so at what that step costs; where
         even its whole tree accepted would not pay for the catch-up (a large batch, a
-        request far behind), it does not run. ``weights``: per request, what its token is
-        worth (``choose``; default 1: ``makespan_weights`` for a batch that only
-        shrinks)."""
+        request far behind), it does not run. ``remaining``: per request, its tokens left
+        at most, where a token is worth what it shortens the batch (``makespan_applies``):
+        ``choose`` weighs the requests by ``makespan_weights``, each at the pace of its
+        best candidate this step (a resting one at 1); None: every token alike."""
         t0 = self._clock()
         classes = [temperature_class(t) for _, t in requests]
         resting = {rid for rid, _ in requests if self.resting(rid)}
@@ -563,9 +568,13 @@ class AutoPolicy:
             if whole > late and offer is not None and index[offer] in caught_up[late]:
                 over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
         if awake or self._none is None:
-            w = None if weights is None else [weights.get(rid, 1.0) for rid, _ in requests]
+            w = None
+            if remaining is not None and len(requests) > 1:
+                left = [remaining.get(rid, 0) for rid, _ in requests]
+                pace = [max(v for v in row if v is not None) for row in expected]
+                w = makespan_weights(left, pace, self.cost_model)
+                self.stats.weighted_steps += len(set(w)) > 1
             picks = choose(expected, self.candidates, self.cost_model, shapes, w)
-            self.stats.weighted_steps += w is not None and len(set(w)) > 1
         else:  # every request rests: none, unread, without the solver
             picks = [self.candidates[self._none]] * len(requests)
         for (rid, _), c in zip(requests, picks):

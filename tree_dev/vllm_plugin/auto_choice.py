@@ -196,16 +196,18 @@ class VllmAuto:
         requests: list[tuple[str, float]],
         tries: dict | None = None,
         behind: dict | None = None,
-        weights: dict | None = None,
+        remaining: dict | None = None,
     ) -> dict[str, Candidate]:
         """``[(request id, temperature), ...]`` -> this step's candidate per request
-        (``tries``, ``behind``, ``weights``: as ``AutoPolicy.choose``)."""
+        (``tries``, ``behind``, ``remaining``: as ``AutoPolicy.choose``)."""
         self._t_choose = time.perf_counter()
         self._behind = dict(behind or {})
         if self._forced is not None:
             self._chosen = dict.fromkeys((rid for rid, _ in requests), self._forced)
         else:
-            self._chosen = self.auto.choose(requests, tries=tries, behind=behind, weights=weights)
+            self._chosen = self.auto.choose(
+                requests, tries=tries, behind=behind, remaining=remaining
+            )
         return self._chosen
 
     def forget(self, req_id: str) -> None:

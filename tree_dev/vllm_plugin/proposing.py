@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tree_dev.auto import objective_weights
+from tree_dev.auto import makespan_applies
 from tree_dev.proposer import NgramHistory
 from tree_dev.spec import is_ngram
 from tree_dev.step import GREEDY_TEMPERATURE, Proposal
@@ -92,7 +92,7 @@ class TreeProposer:
         if not todo or getattr(scheduler_output, "num_spec_tokens_to_schedule", None) == 0:
             return out
         if self.auto is not None:
-            self._propose_auto(todo, out, self._weights(scheduler_output, todo))
+            self._propose_auto(todo, out, self._remaining(scheduler_output, todo))
             self.auto.drafted()
         elif is_ngram(self.cfg.policy):
             self._propose_ngram(todo, out)
@@ -100,13 +100,13 @@ class TreeProposer:
             self._propose_model(todo, out)
         return out
 
-    def _weights(self, scheduler_output, todo: list[tuple[int, str, int]]) -> dict | None:
-        """Per request, what its token is worth this step (``auto.makespan_weights``) under
-        ``auto_objective: makespan`` when no request waits for a slot (the scheduler's
-        ``treespec_waiting``); else None: every token alike."""
-        objective = self.cfg.auto_objective
+    def _remaining(self, scheduler_output, todo: list[tuple[int, str, int]]) -> dict | None:
+        """Per request, its tokens left at most (its ``max_tokens`` less its output, within
+        the model length), where ``tree: auto`` weighs tokens by what they shorten the
+        batch (``auto.makespan_applies``: ``auto_objective: makespan`` and the scheduler's
+        ``treespec_waiting`` 0); else None: every token alike."""
         waiting = getattr(scheduler_output, "treespec_waiting", None)
-        if objective == "tokens" or waiting != 0:
+        if not makespan_applies(self.cfg.auto_objective, waiting):
             return None
         r = self.tr.runner
         remaining = {}
@@ -117,14 +117,14 @@ class TreeProposer:
             if max_tokens is not None:
                 left = min(left, max_tokens - len(state.output_token_ids))
             remaining[rid] = max(left, 0)
-        return objective_weights(objective, waiting, remaining, self.auto.auto.cost_model)
+        return remaining
 
     def _propose_auto(
-        self, todo: list[tuple[int, str, int]], out: list[list[int]], weights: dict | None = None
+        self, todo: list[tuple[int, str, int]], out: list[list[int]], remaining: dict | None = None
     ) -> None:
         """``tree: auto``: each request's tree of this step (``VllmAuto.choose``): none,
         an n-gram trie, or a tree the draft model grows (sampled drafts where chosen);
-        ``weights``: per request, what its token is worth (``_weights``)."""
+        ``remaining``: per request, its tokens left (``_remaining``)."""
         states, tokens = self.tr.runner.requests, self.tr.runner.input_batch.token_ids_cpu
         temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
         auto = self.auto.auto
@@ -135,7 +135,7 @@ class TreeProposer:
         }
         behind = {rid: self._behind(rid, n) for _, rid, n in todo}
         requests = [(rid, t) for (_, rid, _), t in zip(todo, temps)]
-        picks = self.auto.choose(requests, built, behind, weights)
+        picks = self.auto.choose(requests, built, behind, remaining)
         model = []
         for (i, rid, n_tokens), temp in zip(todo, temps):
             cand = picks[rid]
