@@ -404,6 +404,8 @@ class AutoPolicy:
         self._none_run: dict[Any, int] = {}
         self._rest_len: dict[Any, int] = {}
         self._rest_left: dict[Any, int] = {}
+        # per request: its best candidate's expected tokens, decayed over its choices
+        self._pace: dict[Any, float] = {}
         self.candidates = make_candidates(candidates)
         self._by_name = {c.name: c for c in self.candidates}
         self._index = {c.name: j for j, c in enumerate(self.candidates)}
@@ -571,8 +573,9 @@ class AutoPolicy:
             w = None
             if remaining is not None and len(requests) > 1:
                 left = [remaining.get(rid, 0) for rid, _ in requests]
-                pace = [max(v for v in row if v is not None) for row in expected]
-                w = makespan_weights(left, pace, self.cost_model)
+                w = makespan_weights(
+                    left, self._paces(requests, expected, resting), self.cost_model
+                )
                 self.stats.weighted_steps += len(set(w)) > 1
             picks = choose(expected, self.candidates, self.cost_model, shapes, w)
         else:  # every request rests: none, unread, without the solver
@@ -609,6 +612,26 @@ class AutoPolicy:
                 shadows = [(n, cls, t, at) for n, t in built.get(rid, {}).items() if n != c.name]
                 self._shadows.setdefault(rid, []).extend(shadows)
         return {rid: c for (rid, _), c in zip(requests, picks)}
+
+    def _paces(
+        self,
+        requests: Sequence[tuple[Any, float]],
+        expected: Sequence[Sequence[float | None]],
+        resting: Collection[Any],
+    ) -> list[float]:
+        """Per request, the tokens a step it makes at best: its best candidate's expected
+        tokens, decayed (0.7) over the steps it is chosen for, as the batch's end is
+        steps away, not one (a trie that finds no match this step does not make the
+        request a plain one); a resting request keeps its last."""
+        out = []
+        for (rid, _), row in zip(requests, expected):
+            pace = self._pace.get(rid)
+            if rid not in resting:
+                best = max(v for v in row if v is not None)
+                pace = best if pace is None else 0.7 * pace + 0.3 * best
+                self._pace[rid] = pace
+            out.append(1.0 if pace is None else pace)
+        return out
 
     def resting(self, req_id: Any) -> bool:
         """Whether ``req_id`` rests this step (see the class): ``choose`` gives it
@@ -703,7 +726,7 @@ class AutoPolicy:
         self._req_step.pop(req_id, None)
         self._built_at.pop(req_id, None)
         self._shadows.pop(req_id, None)
-        for d in (self._none_run, self._rest_len, self._rest_left):
+        for d in (self._none_run, self._rest_len, self._rest_left, self._pace):
             d.pop(req_id, None)
         for k in [k for k in self._drift if k[0] == req_id]:
             del self._drift[k]
