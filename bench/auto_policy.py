@@ -2,7 +2,9 @@
 
 Per cell (batch 1, 4 and 8 concurrent; greedy and T=0.8; mixed traffic: 4 concurrent,
 every other request greedy, the rest at T=0.8; and a queue for 8 slots): output tokens/s
-of vLLM plain, of ``tree: auto``, of each of auto's candidates as a fixed tree, and of
+of vLLM plain, of ``tree: auto`` (with ``auto_objective`` ``tokens`` and ``makespan``:
+the second weighs a token by what it shortens the batch once no request waits), of
+each of auto's candidates as a fixed tree, and of
 vLLM's own methods (``draft_model`` chain, ``ngram``, ``suffix``), each engine timed in
 turns with a resident vLLM plain (``bench.vllm_e2e.run_engine``: the ratio is the median
 of same-moment ratios over ``--reps``). Reported per cell: auto's ratio to vLLM plain, to

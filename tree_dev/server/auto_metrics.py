@@ -39,6 +39,48 @@ def _metric(name: str, kind: str, help_text: str, samples: list[tuple[str, objec
     return lines
 
 
+#: ``(stats key, metric, type, help)`` of the one-value metrics rendered when present
+OPTIONAL = (
+    (
+        "mean_abs_rel_error",
+        "treespec_auto_step_seconds_abs_rel_error",
+        "gauge",
+        "Mean |predicted / measured - 1| of the step seconds.",
+    ),
+    (
+        "correction",
+        "treespec_auto_cost_correction",
+        "gauge",
+        "Online correction factor of the cost model's predictions.",
+    ),
+    (
+        "trie_shadows",
+        "treespec_auto_trie_shadows_total",
+        "counter",
+        "N-gram tries built but not run, scored against the tokens that followed.",
+    ),
+    (
+        "rested",
+        "treespec_auto_rested_total",
+        "counter",
+        "Request-steps given none without a choice: requests where nothing paid, resting.",
+    ),
+    (
+        "weighted_steps",
+        "treespec_auto_weighted_steps_total",
+        "counter",
+        "Choices where requests' tokens were weighted by what they shorten the batch "
+        "(auto_objective makespan, no request waiting).",
+    ),
+    (
+        "cost_model_measured",
+        "treespec_auto_cost_model_measured",
+        "gauge",
+        "1 when the cost model was fitted on this machine's steps, 0 for the start-up guess.",
+    ),
+)
+
+
 def auto_metrics_lines(stats: Mapping[str, Any]) -> list[str]:
     """Prometheus text lines of ``tree: auto``'s statistics (``auto.AutoStats.as_dict``,
     plus the vLLM plugin's ``cost_model`` and ``cost_model_measured`` when present).
@@ -92,49 +134,9 @@ def auto_metrics_lines(stats: Mapping[str, Any]) -> list[str]:
                 " (mean over measured steps)." if key.startswith("mean") else "."
             )
             lines += _metric(name, "gauge", help_text, [("", stats[key])])
-    if "mean_abs_rel_error" in stats:
-        lines += _metric(
-            "treespec_auto_step_seconds_abs_rel_error",
-            "gauge",
-            "Mean |predicted / measured - 1| of the step seconds.",
-            [("", stats["mean_abs_rel_error"])],
-        )
-    if "correction" in stats:
-        lines += _metric(
-            "treespec_auto_cost_correction",
-            "gauge",
-            "Online correction factor of the cost model's predictions.",
-            [("", stats["correction"])],
-        )
-    if "trie_shadows" in stats:
-        lines += _metric(
-            "treespec_auto_trie_shadows_total",
-            "counter",
-            "N-gram tries built but not run, scored against the tokens that followed.",
-            [("", stats["trie_shadows"])],
-        )
-    if "rested" in stats:
-        lines += _metric(
-            "treespec_auto_rested_total",
-            "counter",
-            "Request-steps given none without a choice: requests where nothing paid, resting.",
-            [("", stats["rested"])],
-        )
-    if "weighted_steps" in stats:
-        lines += _metric(
-            "treespec_auto_weighted_steps_total",
-            "counter",
-            "Choices where requests' tokens were weighted by how far each was from the "
-            "batch's end (auto_objective makespan, no request waiting).",
-            [("", stats["weighted_steps"])],
-        )
-    if "cost_model_measured" in stats:
-        lines += _metric(
-            "treespec_auto_cost_model_measured",
-            "gauge",
-            "1 when the cost model was fitted on this machine's steps, 0 for the start-up guess.",
-            [("", stats["cost_model_measured"])],
-        )
+    for key, name, kind, help_text in OPTIONAL:
+        if key in stats:
+            lines += _metric(name, kind, help_text, [("", stats[key])])
     cost = stats.get("cost_model")
     if isinstance(cost, Mapping) and cost:
         lines += _metric(
