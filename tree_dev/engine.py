@@ -132,7 +132,7 @@ class Engine:
         auto_objective: what ``tree="auto"`` maximises (``tree_dev.auto.OBJECTIVES``):
             ``"tokens"``, the batch's tokens per second (a server), or ``"makespan"``:
             the same while requests wait, then, for the last wave, a token is worth what
-            it shortens the batch (``auto.objective_weights``).
+            it shortens the batch (``auto.makespan_weights``).
     """
 
     def __init__(

@@ -166,10 +166,11 @@ def parse(
 
 def _auto_objective(section: dict, policy: Policy) -> str:
     """The ``auto_objective`` key of ``tree: auto``: what a step's choice maximises
-    (``auto.objective_weights``). ``tokens`` (the default): the batch's expected tokens
-    per second, every request's token alike (a server: a request that ends frees its
-    slot for the next). ``makespan``: the same while requests wait for a slot; once none
-    waits (an offline batch's last wave), a token is worth what it shortens the batch."""
+    (``auto.makespan_applies``, ``auto.makespan_weights``). ``tokens`` (the default):
+    the batch's expected tokens per second, every request's token alike (a server: a
+    request that ends frees its slot for the next). ``makespan``: the same while
+    requests wait for a slot; once none waits (an offline batch's last wave), a token is
+    worth what it shortens the batch."""
     from tree_dev.auto import OBJECTIVES
 
     objective = section.get("auto_objective", "tokens")
