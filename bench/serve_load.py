@@ -24,7 +24,11 @@ Taking turns in rounds puts every server under the same drift of this shared mac
 load. Recorded per server and level (``"c{concurrency} T={temperature}"``): completed
 and failed requests, output throughput, TTFT, TPOT and ITL (mean / median / p99) of the
 round with the median throughput, every round's throughput, and the median over rounds
-of the ratio to ``vllm-serve`` measured in the same round. Writes
+of the ratio to ``vllm-serve`` measured in the same round. A server with ``tree: auto``
+also has its ``treespec_auto_*`` samples of ``GET /metrics`` (what auto chose for how
+many request-steps, predicted against measured step seconds) taken after each level of
+each round (``auto_metrics``, in the order taken; counters as they stood then), and the
+request-steps per chosen tree of each level, summed over its rounds, are printed. Writes
 ``results/serve_load.json`` and ``results/serve_load.png``; the ratios are printed. A
 benchmark: it never fails on a time.
 
@@ -360,6 +364,51 @@ def vllm_bench_serve(
     return out
 
 
+def parse_metrics(text: str, prefix: str = "treespec_auto_") -> dict[str, float]:
+    """``{'name{labels}': value}`` of the samples of Prometheus text ``text`` whose
+    metric name starts with ``prefix`` (comments skipped).
+
+    >>> parse_metrics('# HELP x\\ntreespec_auto_steps_total 7\\nvllm:x 1\\n')
+    {'treespec_auto_steps_total': 7.0}
+    """
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def scrape_auto_metrics(base: str) -> dict[str, float]:
+    """The server's ``treespec_auto_*`` samples (``{}`` when ``/metrics`` fails: a
+    benchmark round is not lost to it)."""
+    try:
+        return parse_metrics(httpx.get(base + "/metrics", timeout=30).text)
+    except httpx.HTTPError:
+        return {}
+
+
+def choices_per_level(scrapes: list[dict]) -> dict[str, dict[str, float]]:
+    """Per level, the request-steps per ``{class, tree}`` auto chose while it ran: the
+    growth of ``treespec_auto_choices_total`` from the scrape before to the level's own
+    (``scrapes`` in the order taken, each with its ``level``; the first from 0).
+
+    >>> c = 'treespec_auto_choices_total{class="sampled",tree="none"}'
+    >>> choices_per_level([{"level": "a", c: 5.0}, {"level": "b", c: 12.0}])
+    {'a': {'class="sampled",tree="none"': 5.0}, 'b': {'class="sampled",tree="none"': 7.0}}
+    """
+    out: dict[str, dict[str, float]] = {}
+    before: dict = {}
+    for scrape in scrapes:
+        level = out.setdefault(scrape["level"], {})
+        for key, value in scrape.items():
+            if key.startswith("treespec_auto_choices_total{"):
+                label = key[len("treespec_auto_choices_total{") : -1]
+                level[label] = level.get(label, 0.0) + value - before.get(key, 0.0)
+        before = scrape
+    return out
+
+
 def level_key(concurrency: int, temperature: float) -> str:
     """A load level's name in the report: ``"c4 T=0.8"``."""
     return f"c{concurrency} T={temperature:g}"
@@ -422,6 +471,9 @@ def print_table(report: dict) -> None:
                 f"{lv['median_ttft_ms'] or 0:7.1f} {lv['p99_ttft_ms'] or 0:7.1f} "
                 f"{lv['median_tpot_ms'] or 0:7.1f} {'' if ratio is None else f'{ratio:6.2f}'}"
             )
+        for level, counts in choices_per_level(run.get("auto_metrics", [])).items():
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:6]
+            print(f"  {run['name']} {level}: auto chose " + ", ".join(f"{k} {v:g}" for k, v in top))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -560,6 +612,9 @@ def _measure_rounds(
                     _failed(run, e)
                     break
                 run["rounds"].setdefault(res["level"], []).append(res)
+                if run.get("tree") == "auto":
+                    samples = scrape_auto_metrics(srv.base)
+                    run.setdefault("auto_metrics", []).append({"level": res["level"], **samples})
                 bar.update()
 
 

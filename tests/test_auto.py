@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tree_dev import auto
@@ -202,6 +202,75 @@ def test_fit_keeps_coefficients_non_negative():
         CostModel.fit([])
     with pytest.raises(ValueError):
         CostModel.fit([(Shape(1, 0, 0), 0.0)])
+
+
+def test_drafted_factor_learns_what_drafts_add_beyond_the_fit():
+    """Plain steps of 4 as the fit says and drafted ones whose drafts take 1.4x what it
+    says (1 ms a row over the plain step's 4 rows): the uniform correction stays near 1,
+    ``drafted_factor`` goes to 1.4, and the prediction of a drafted step is then its
+    measured seconds; plain steps leave the factor alone, and it is clipped to
+    ``bounds``."""
+    m = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, f=0.002)
+    plain, drafted = Shape(4, 0, 0, 0, 0, 4), Shape(12, 0, 0, 0, 1, 4)
+    extra = m.raw(drafted) - m.raw(plain)  # 8 rows and f: 10 ms
+    for _ in range(200):
+        m.observe(plain, m.raw(plain))
+        assert m.drafted_factor == 1.0
+    for _ in range(20):
+        m.observe(plain, m.raw(plain))
+        m.observe(drafted, m.raw(plain) + 1.4 * extra)
+    assert m.correction == pytest.approx(1.0, abs=0.01)
+    assert m.drafted_factor == pytest.approx(1.4, rel=0.02)
+    assert m.predict(drafted) == pytest.approx(m.raw(plain) + 1.4 * extra, rel=0.01)
+    assert m.predict(plain) == pytest.approx(m.correction * m.raw(plain))
+    for _ in range(50):
+        m.observe(drafted, m.raw(plain) + 9 * extra)
+    assert m.drafted_factor == m.bounds[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 64), min_size=6, max_size=6),
+    st.floats(0.5, 2.0),
+    st.lists(st.floats(0.0, 0.01), min_size=7, max_size=7),
+)
+def test_priced_model_is_plain_step_plus_scaled_drafts(sizes, k, coef):
+    """``CostModel.priced()``'s raw seconds of any shape are the plain step of its
+    requests plus ``drafted_factor`` times what the drafts add, and its ``predict`` at
+    ``correction`` equals the model's own: ``choose`` compares what ``predict`` says."""
+    v, lv, r, br, dr, n = sizes
+    shape = Shape(n + v, lv, r, br, min(dr, 1), n)
+    m = CostModel(*coef, drafted_factor=k, correction=1.3)
+    p = m.priced()
+    plain = m.raw(m.plain_of(shape))
+    assert p.raw(shape) == pytest.approx(plain + k * (m.raw(shape) - plain), rel=1e-9, abs=1e-12)
+    if shape.drafted:
+        assert p.correction * p.raw(shape) == pytest.approx(m.predict(shape), rel=1e-9, abs=1e-12)
+    assert p.raw(m.plain_of(shape)) == pytest.approx(plain, rel=1e-9, abs=1e-12)
+
+
+def test_auto_stops_drafting_once_drafts_are_measured_dearer_than_modelled():
+    """chain:2 accepts both drafts (3 tokens a step); by the model a step with it costs
+    10 ms against 4 ms plain (0.30 against 0.25 tokens/ms: it pays). Plain steps run as
+    modelled. Where its drafts take 1.8x what the model says (14.8 ms a step: 0.20
+    tokens/ms), ``drafted_factor`` learns 1.8 within a few steps and the policy gives
+    none from then on; where they take what it says, chain:2 is kept."""
+    picks = {}
+    for slower in (1.8, 1.0):
+        cost = CostModel(a=0.004, b=0.0, c=0.003, d=0.0)
+        for _ in range(30):  # plain steps as modelled (a served batch's, the anchor's)
+            cost.observe(Shape(1, 0, 0, 0, 0, 1), 0.004)
+        policy = AutoPolicy(["chain:2"], cost, AcceptanceTracker(probe_every=0))
+        got = picks[slower] = []
+        for _ in range(12):
+            pick = policy.choose([("r", 0.0)])["r"]
+            got.append(pick.name)
+            seconds = 0.004 + (slower * 0.006 if pick.depth else 0.0)
+            policy.record([step_of("r", pick.depth, pick.depth)], seconds)
+        assert policy.stats.as_dict()["drafted_factor"] == policy.cost_model.drafted_factor
+    assert picks[1.0] == ["chain:2"] * 12
+    first = picks[1.8].index("none")
+    assert 0 < first <= 5 and set(picks[1.8][first:]) == {"none"}, picks[1.8]
 
 
 def test_online_correction_moves_prediction_towards_measured():

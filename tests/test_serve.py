@@ -1064,6 +1064,35 @@ def test_serve_load_ratios_are_paired_per_round():
     assert _median_round(rounds)["id"] == 2
 
 
+def test_serve_load_reads_autos_choices_per_level_from_metrics():
+    """The load benchmark reads back what the server's ``/metrics`` renders
+    (``auto_metrics_lines``): its ``treespec_auto_*`` samples only, and per level the
+    request-steps per chosen tree as the growth of the cumulative counters since the
+    previous scrape."""
+    from bench.serve_load import choices_per_level, parse_metrics
+    from tree_dev.server.auto_metrics import auto_metrics_lines
+
+    def page(none: int, chain: int) -> str:
+        stats = {"steps": none + chain, "choices_by_class": {"sampled": {"none": none}}}
+        stats["choices_by_class"]["greedy"] = {"chain:4": chain}
+        return "\n".join(["vllm:num_requests_running 3", *auto_metrics_lines(stats)])
+
+    first = parse_metrics(page(10, 4))
+    assert first["treespec_auto_steps_total"] == 14.0
+    assert not any(k.startswith("vllm:") for k in first)
+    scrapes = [{"level": "c4 T=0.0", **first}, {"level": "c4 T=0.8", **parse_metrics(page(25, 6))}]
+    scrapes.append({"level": "c4 T=0.0", **parse_metrics(page(26, 9))})  # a second round
+    per = choices_per_level(scrapes)
+    assert per["c4 T=0.8"] == {
+        'class="greedy",tree="chain:4"': 2.0,
+        'class="sampled",tree="none"': 15.0,
+    }
+    assert per["c4 T=0.0"] == {
+        'class="greedy",tree="chain:4"': 7.0,
+        'class="sampled",tree="none"': 11.0,
+    }
+
+
 def test_serve_load_finds_a_named_models_committed_eagle_head(tmp_path):
     """``--model smollm2-135m --vllm-tree auto@eagle``: the named model's directory has no
     ``eagle/``, so the vllm-tree server gets its committed head; a model set's own

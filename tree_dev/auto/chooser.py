@@ -251,6 +251,7 @@ class AutoStats:
     last_predicted_s: float = 0.0
     last_measured_s: float = 0.0
     correction: float = 1.0
+    drafted_factor: float = 1.0  # the cost model's, on what drafts add to a step
     trie_shadows: int = 0  # tries scored on steps that did not run them
     rested: int = 0  # request-steps given none without a choice (``AutoPolicy``'s rest)
     weighted_steps: int = 0  # choices with unequal token weights (``makespan_weights``)
@@ -282,6 +283,7 @@ class AutoStats:
             "last_predicted_s": self.last_predicted_s,
             "last_measured_s": self.last_measured_s,
             "correction": self.correction,
+            "drafted_factor": self.drafted_factor,
             "trie_shadows": self.trie_shadows,
             "rested": self.rested,
             "weighted_steps": self.weighted_steps,
@@ -571,13 +573,12 @@ class AutoPolicy:
                 over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
         if awake or self._none is None:
             w = None
+            priced = self.cost_model.priced()  # drafts at what they are measured to add
             if remaining is not None and len(requests) > 1:
                 left = [remaining.get(rid, 0) for rid, _ in requests]
-                w = makespan_weights(
-                    left, self._paces(requests, expected, resting), self.cost_model
-                )
+                w = makespan_weights(left, self._paces(requests, expected, resting), priced)
                 self.stats.weighted_steps += len(set(w)) > 1
-            picks = choose(expected, self.candidates, self.cost_model, shapes, w)
+            picks = choose(expected, self.candidates, priced, shapes, w)
         else:  # every request rests: none, unread, without the solver
             picks = [self.candidates[self._none]] * len(requests)
         for (rid, _), c in zip(requests, picks):
@@ -674,8 +675,9 @@ class AutoPolicy:
         if j0 is None:
             return 0.0
         without = batch_shape([*ran[:i], over.get(j0, self.candidates[j0].shape), *ran[i + 1 :]])
-        base = self.cost_model.raw(without)
-        return max(self.cost_model.raw(self._shape) - base, 0.0) / base if base > 0 else 0.0
+        priced = self.cost_model.priced()
+        base = priced.raw(without)
+        return max(priced.raw(self._shape) - base, 0.0) / base if base > 0 else 0.0
 
     @property
     def step_shape(self) -> Shape:
@@ -717,6 +719,7 @@ class AutoPolicy:
             self.stats.measured(self.cost_model.predict(ran), seconds)
             self.cost_model.observe(ran, seconds)
             self.stats.correction = self.cost_model.correction
+            self.stats.drafted_factor = self.cost_model.drafted_factor
 
     def forget(self, req_id: Any) -> None:
         """A request finished."""

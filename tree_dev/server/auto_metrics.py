@@ -54,6 +54,12 @@ OPTIONAL = (
         "Online correction factor of the cost model's predictions.",
     ),
     (
+        "drafted_factor",
+        "treespec_auto_cost_drafted_factor",
+        "gauge",
+        "Online factor on what a step's drafts add to its seconds over the cost model's.",
+    ),
+    (
         "trie_shadows",
         "treespec_auto_trie_shadows_total",
         "counter",

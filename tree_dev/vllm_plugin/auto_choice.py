@@ -13,6 +13,9 @@ when there is one; else it starts from ``START`` (relative costs: one step, a ve
 a draft level, a draft row) and is refitted online, every ``REFIT_EVERY`` measured steps,
 to the last ``KEEP`` ``(shape, seconds)`` samples (``CostModel.fit``), once they hold at
 least ``MIN_SHAPES`` distinct shapes; each fit is cached (atomically) for the next start.
+A new fit's online corrections (``CostModel.observe``) start from the last ``REPLAY``
+samples replayed through it: what it still gets wrong on the latest steps (the drafted
+ones' extra seconds above all), not from 1.
 
 Every refit keeps the **anchor**: the steps timed with a candidate forced
 (``calibrate_auto``: each candidate at 1 and 4 requests, plain steps among them), cached
@@ -58,6 +61,7 @@ START = CostModel(a=1.0, b=0.01, c=0.15, d=0.005, e=0.1, f=0.2)
 #: so every 256 steps it is a few hundredths of a millisecond a step
 REFIT_EVERY = 256
 KEEP = 1024
+REPLAY = 64
 MIN_SHAPES = 4
 
 
@@ -258,8 +262,10 @@ class VllmAuto:
     def _fit(self) -> None:
         self._since_fit = 0
         fit = CostModel.fit([*self.anchor, *self.samples])
-        fit.correction = 1.0
         fit.anchor = list(self.anchor)
+        # its corrections start from what it gets wrong on the latest served steps
+        for shape, seconds in list(self.samples)[-REPLAY:]:
+            fit.observe(shape, seconds)
         self.auto.cost_model = fit
         self.measured = True
         try:
