@@ -993,6 +993,41 @@ def test_unavailable_tries_are_neither_chosen_nor_learnt():
     assert policy.step_shape == Shape(4, 0, 0, 0, 1)  # the trie as built, not its budget's 9
 
 
+def test_a_tries_class_drift_is_what_its_runs_accepted_against_their_estimates():
+    """Class drift, by hand. r1 (T=0.8) runs the 8-node trie three times (none and
+    chain:2 unavailable), accepting one draft a step where the tracker expected e_i:
+    the class's factor is the decayed ratio (0.95 per step). A new request of that
+    class reads its trie at it; a greedy one, a probe, and the draft model's trees do
+    not; unobserved, it returns to 1 at 0.99 per engine step."""
+    trie, chain = "ngram:budget=8", "chain:2"
+    tracker = AcceptanceTracker(decay=1.0, prior_weight=1.0, optimism_weight=0.0, probe_every=0)
+    policy = AutoPolicy([trie, chain], CostModel(a=0.010, b=0.0, c=0.0, d=0.0), tracker)
+    expected = []
+    for _ in range(3):
+        policy.choose([("r1", 0.8)], {"r1": {"none", chain}})
+        expected.append(policy._raw["r1", trie])
+        policy.record([step_of("r1", 8, 1)])
+    assert expected[0] > expected[-1] >= 1.0  # its estimates ran high at first
+    ratio = (0.95**2 + 0.95 + 1) / (0.95**2 * expected[0] + 0.95 * expected[1] + expected[2])
+    assert policy.class_drift(trie, "sampled") == pytest.approx(ratio) and ratio < 0.5
+    assert policy.class_drift(trie, "greedy") == 1.0
+    raw = {cls: tracker.expected_tokens("r2", trie, cls, 8) for cls in ("sampled", "greedy")}
+    row = policy.expected_row("r2", "sampled")
+    assert row[policy._index[trie]] == pytest.approx(1 + ratio * (raw["sampled"] - 1))
+    row = policy.expected_row("r2", "greedy")
+    assert row[policy._index[trie]] == pytest.approx(raw["greedy"])
+    assert policy.drift("r2", trie, "sampled", probe=True) == 1.0
+    policy.choose([("r3", 0.8)], {"r3": {"none", trie}})  # chain:2, nothing accepted
+    policy.record([step_of("r3", 2, 0)])
+    assert policy.drift("r3", "model", "sampled") == 0.0
+    assert policy.class_drift("model", "sampled") == 1.0
+    for _ in range(50):  # the trie unobserved for 51 engine steps in all
+        policy.choose([("r4", 0.8)], {"r4": {trie, chain}})
+        policy.record([step_of("r4", 0, 0)])
+    back = 1 - (1 - ratio) * 0.99**51
+    assert policy.class_drift(trie, "sampled") == pytest.approx(back)
+
+
 def test_a_built_trie_is_priced_at_its_nodes_and_read_to_its_depth():
     """By hand. The trie always accepted its first token and nothing deeper: a step of
     it yields 2 tokens. Rows cost 2 ms over a 10 ms step: none 1 token in 12 ms (83

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,8 @@ class LocalAuto:
         objective: str = "tokens",
     ):
         self.policy, self.objective = policy, check_objective(objective)
+        if cost_model is not None:  # its choices do not depend on timing
+            cost_model = replace(cost_model, learn_drafted=False)
         self.auto = AutoPolicy(policy, cost_model or CostModel(a=1.0, b=0.0, c=0.0, d=0.0))
         self.measured = cost_model is not None
         self._forced: Candidate | None = None

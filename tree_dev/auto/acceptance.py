@@ -256,6 +256,12 @@ class AcceptanceTracker:
             if prior.pseudo > 0 and self._pseudo(prior, self._steps - 1) > 0:
                 self._bump(name, cls)
 
+    def optimistic(self, name: str, cls: str, below: float = 0.05) -> bool:
+        """Whether candidate ``name``'s prior in class ``cls`` still holds ``below`` or
+        more optimistic pseudo-steps (or has no counts yet): its estimates read high."""
+        prior = self._prior.get((name, cls))
+        return prior is None or self._pseudo(prior) >= below
+
     def _pseudo(self, prior: _Counts, steps: int | None = None) -> float:
         """A prior's optimistic pseudo-steps now (or after ``steps`` engine steps):
         ``optimism_weight`` at its birth, times ``optimism_decay`` per engine step since;

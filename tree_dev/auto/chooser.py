@@ -333,9 +333,23 @@ class AutoPolicy:
     novel) every such tree is discounted within a few steps, not one candidate at a time.
     Tries of different match lengths are not one draft: a trie of 3-token matches is
     right where one of 1-token matches is not, so the wide trie's failures do not
-    discount it. Unobserved, the factor returns toward 1 (``drift_recover`` 0.9 per
-    request step), so probes find a draft that recovered; the evidence behind it fades as
-    much, so an old failure does not weigh on the next step that is observed.
+    discount it. Unobserved, the factor returns toward its class's (``drift_recover``
+    0.9 per request step), so probes find a draft that recovered; the evidence behind it
+    fades as much, so an old failure does not weigh on the next step that is observed.
+
+    **Class drift** (tries). The same ratio over every request of a temperature class,
+    per trie (``class_drift_decay`` 0.95 per observed request-step), returning to 1
+    while unobserved (``class_drift_recover`` 0.99 per engine step): where a request has
+    no recent evidence of its own it reads its class's. A trie is chosen on the steps
+    its estimate runs high, so what those steps accept falls short of what was expected
+    of them (the winner's curse: SmolLM2 at 4 concurrent, T=0.8, the 8-node trie
+    accepted 1.02 drafts a step where 1.84 were expected; on the toy 2.25 tokens against
+    3.86), and a request that runs a trie one step in ten has recovered its own factor
+    to 1 in between. Left out, as read at a bound and not at the estimate: probes (a
+    probe offer also reads its request's own drift, not its class's) and a prior's
+    optimism (``AcceptanceTracker.optimistic``). Not for the draft model's trees: their
+    steps at T=0.8 are mostly probes and optimistic starts, and its request drift
+    already spans all its trees.
 
     **Trie shadows.** An n-gram trie costs nothing to build, so its acceptance is learnt on
     every step it matches, run or not: an engine gets a request's tries from
@@ -385,13 +399,22 @@ class AutoPolicy:
         tracker: AcceptanceTracker | None = None,
         drift_decay: float = 0.7,
         drift_recover: float = 0.9,
+        class_drift_decay: float = 0.95,
+        class_drift_recover: float = 0.99,
         rest_after: int = 4,
         longest_rest: int = 4,
         rest_above: float = 0.005,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if not (0 < drift_decay <= 1 and 0 <= drift_recover <= 1):
-            raise ValueError("drift_decay must be in (0, 1], drift_recover in [0, 1]")
+        for decay, recover in (
+            (drift_decay, drift_recover),
+            (class_drift_decay, class_drift_recover),
+        ):
+            if not (0 < decay <= 1 and 0 <= recover <= 1):
+                raise ValueError(
+                    "drift_decay / class_drift_decay must be in (0, 1], drift_recover / "
+                    f"class_drift_recover in [0, 1], got {decay}, {recover}"
+                )
         if rest_after < 1 or longest_rest < 0 or not rest_above >= 0:
             raise ValueError(
                 "rest_after must be >= 1, longest_rest and rest_above >= 0, got "
@@ -421,6 +444,9 @@ class AutoPolicy:
         self.drift_decay, self.drift_recover = drift_decay, drift_recover
         # (request, source, class) -> [accepted, expected, request step of the last update]
         self._drift: dict[tuple[Any, str, str], list[float]] = {}
+        self.class_drift_decay, self.class_drift_recover = class_drift_decay, class_drift_recover
+        # (source, class) -> [accepted, expected, engine step of the last update]
+        self._class_drift: dict[tuple[str, str], list[float]] = {}
         self._req_step: dict[Any, int] = {}
         self._raw: dict[tuple[Any, str], float] = {}  # this step's unscaled expected drafts
         self._pending: dict[Any, tuple[Candidate, str]] = {}
@@ -467,21 +493,38 @@ class AutoPolicy:
             )
             self._raw[req_id, c.name] = tokens - 1.0
             if key is not None:
-                if key not in drifts:
-                    drifts[key] = self.drift(req_id, key, cls)
-                tokens = 1.0 + drifts[key] * (tokens - 1.0)
+                if c.name == offer:  # a probe: its own drift, not its class's
+                    factor = self.drift(req_id, key, cls, probe=True)
+                else:
+                    if key not in drifts:
+                        drifts[key] = self.drift(req_id, key, cls)
+                    factor = drifts[key]
+                tokens = 1.0 + factor * (tokens - 1.0)
             row.append(tokens)
         return row
 
-    def drift(self, req_id: Any, key: str, cls: str) -> float:
+    def drift(self, req_id: Any, key: str, cls: str, probe: bool = False) -> float:
         """The request's drift factor of ``key`` (``drift_key``) in class ``cls`` (see the
-        class), in [0, 1]; 1 when never observed."""
+        class), in [0, 1]: its own ratio, returning to the class's (``class_drift``; 1
+        for a ``probe``) as it goes unobserved; the class's when never observed."""
+        prior = 1.0 if probe else self.class_drift(key, cls)
         d = self._drift.get((req_id, key, cls))
+        if d is None or d[1] <= 0:
+            return prior
+        ratio = min(d[0] / d[1], 1.0)
+        idle = max(self._req_step.get(req_id, 0) - int(d[2]), 0)
+        return prior - (prior - ratio) * self.drift_recover**idle
+
+    def class_drift(self, key: str, cls: str) -> float:
+        """The class's drift factor of trie ``key`` (see the class), in [0, 1]; 1 when
+        never observed (and for the draft model's trees), returning to 1 as it goes
+        unobserved."""
+        d = self._class_drift.get((key, cls))
         if d is None or d[1] <= 0:
             return 1.0
         ratio = min(d[0] / d[1], 1.0)
-        idle = max(self._req_step.get(req_id, 0) - int(d[2]), 0)
-        return 1.0 - (1.0 - ratio) * self.drift_recover**idle
+        idle = max(self.stats.steps - int(d[2]), 0)
+        return 1.0 - (1.0 - ratio) * self.class_drift_recover**idle
 
     def step_tries(self, req_id: Any, context: Sequence[int]) -> dict[str, Trie | None]:
         """``shapes.step_tries`` for ``req_id``'s committed tokens ``context`` (its
@@ -708,6 +751,16 @@ class AutoPolicy:
                 # old evidence fades with the steps it went unobserved, as the factor does
                 k = self.drift_decay * self.drift_recover ** max(now - int(d[2]) - 1, 0)
                 d[:] = [k * d[0] + accepted, k * d[1] + expected, now]
+                if (  # a probe, or a prior's optimism, is read at a bound: no evidence
+                    draft_source(cand) == "trie"
+                    and self._offers.get(s.req_id) != cand.name
+                    and not self.tracker.optimistic(cand.name, cls)
+                ):
+                    step = self.stats.steps + 1  # this engine step, once recorded
+                    c = self._class_drift.setdefault((key, cls), [0.0, 0.0, step])
+                    idle = max(step - int(c[2]) - 1, 0)
+                    k = self.class_drift_decay * self.class_drift_recover**idle
+                    c[:] = [k * c[0] + accepted, k * c[1] + expected, step]
         self._pending, self._raw = {}, {}
         self.tracker.end_step()
         self.stats.steps += 1

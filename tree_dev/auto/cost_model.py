@@ -85,6 +85,9 @@ class CostModel:
     correction_decay: float = 0.9
     bounds: tuple[float, float] = (0.5, 2.0)
     drafted_factor: float = 1.0
+    #: False: ``drafted_factor`` stays as it is (a model given, for a choice that does
+    #: not depend on timing; the uniform ``correction`` never changes a choice)
+    learn_drafted: bool = True
     samples: int = 0  # steps the fit used
     rel_rms: float = 0.0  # the fit's relative RMS error on them
     #: ``(shape, seconds)`` of controlled steps (a candidate forced) that an engine's
@@ -161,7 +164,7 @@ class CostModel:
         self._num, self._den = k * self._num + measured, k * self._den + priced
         lo, hi = self.bounds
         self.correction = min(hi, max(lo, self._num / self._den))
-        if extra <= 0:
+        if extra <= 0 or not self.learn_drafted:
             return
         self._drafted_num = k * self._drafted_num + (measured - self.correction * plain)
         self._drafted_den = k * self._drafted_den + self.correction * extra

@@ -33,6 +33,7 @@ import os
 import time
 import warnings
 from collections import Counter, deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,8 @@ class VllmAuto:
         self.key["engine"] = "vllm"
         self.dir = default_cache_dir() if cache_dir is None else Path(cache_dir)
         self.fixed = cost_model is not None
+        if cost_model is not None:  # its choices do not depend on timing
+            cost_model = replace(cost_model, learn_drafted=False)
         if cost_model is None:
             cost_model = load_cost_model(self.dir, self.key)
         self.measured = cost_model is not None
