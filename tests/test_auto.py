@@ -209,7 +209,7 @@ def test_drafted_factor_learns_what_drafts_add_beyond_the_fit():
     says (1 ms a row over the plain step's 4 rows): the uniform correction stays near 1,
     ``drafted_factor`` goes to 1.4, and the prediction of a drafted step is then its
     measured seconds; plain steps leave the factor alone, and it is clipped to
-    ``bounds``."""
+    ``drafted_bounds`` (1 to 2)."""
     m = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, f=0.002)
     plain, drafted = Shape(4, 0, 0, 0, 0, 4), Shape(12, 0, 0, 0, 1, 4)
     extra = m.raw(drafted) - m.raw(plain)  # 8 rows and f: 10 ms
@@ -225,7 +225,10 @@ def test_drafted_factor_learns_what_drafts_add_beyond_the_fit():
     assert m.predict(plain) == pytest.approx(m.correction * m.raw(plain))
     for _ in range(50):
         m.observe(drafted, m.raw(plain) + 9 * extra)
-    assert m.drafted_factor == m.bounds[1]
+    assert m.drafted_factor == m.drafted_bounds[1] == 2.0
+    for _ in range(50):  # drafts cheaper than the fit says: never priced below it
+        m.observe(drafted, m.raw(plain) + 0.3 * extra)
+    assert m.drafted_factor == m.drafted_bounds[0] == 1.0
 
 
 @settings(max_examples=200, deadline=None)

@@ -57,13 +57,16 @@ class CostModel:
     ``a..g`` >= 0 (seconds, seconds per row / level / branched tree, seconds of a step
     that verifies any draft over a plain one, seconds per request), fitted by ``fit``.
     Two online corrections follow the measured steps (``observe``), each a decayed ratio
-    clipped to ``bounds``:
+    clipped to its bounds:
 
     - ``correction``, of every step: ``sum(decay^i * measured_i) / sum(decay^i *
-      raw_i)``. A uniform factor: it never changes which trees win.
+      raw_i)``, in ``bounds``. A uniform factor: it never changes which trees win.
     - ``drafted_factor``, of the steps with drafts: what they took over the plain step
       of as many requests (``plain_of``), against what the model says their drafts add
-      (both at ``correction``). It scales the drafted part, ``raw(shape) -
+      (both at ``correction``), in ``drafted_bounds`` (1 to 2: a tree is never priced
+      below the fit; one factor spans every kind of tree, and on the toy its cheap tries
+      ran at 0.55x the fit while its draft model's trees ran at it, so a factor below
+      1 made those look half their price). It scales the drafted part, ``raw(shape) -
       raw(plain_of(shape))``, so it does change which trees win: served traffic is
       mostly plain steps, so a fit can be right on them and wrong by a third on the
       few with drafts (SmolLM2 at 4 concurrent: 18.8 ms measured, 14.4 ms predicted).
@@ -85,6 +88,9 @@ class CostModel:
     correction_decay: float = 0.9
     bounds: tuple[float, float] = (0.5, 2.0)
     drafted_factor: float = 1.0
+    #: ``drafted_factor``'s: never below 1 (one factor for every tree: the toy's tries,
+    #: measured at 0.55x what the fit says, took its draft model's trees down with them)
+    drafted_bounds: tuple[float, float] = (1.0, 2.0)
     #: False: ``drafted_factor`` stays as it is (a model given, for a choice that does
     #: not depend on timing; the uniform ``correction`` never changes a choice)
     learn_drafted: bool = True
@@ -168,6 +174,7 @@ class CostModel:
             return
         self._drafted_num = k * self._drafted_num + (measured - self.correction * plain)
         self._drafted_den = k * self._drafted_den + self.correction * extra
+        lo, hi = self.drafted_bounds
         self.drafted_factor = min(hi, max(lo, self._drafted_num / self._drafted_den))
 
     @classmethod
