@@ -627,6 +627,28 @@ def test_choose_is_the_exact_optimum(accepts, bcde):
     assert_choose_is_the_optimum(accepts, bcde)
 
 
+@given(
+    st.lists(st.lists(st.floats(0, 1), min_size=4, max_size=4), min_size=1, max_size=4),
+    st.tuples(*[st.floats(0, 0.01)] * 6),
+    st.floats(1.0, 2.0),
+)
+def test_choose_is_the_exact_optimum_of_a_priced_model(accepts, bcdefg, k):
+    """``CostModel.priced()`` (what ``AutoPolicy`` hands ``choose``) may carry a negative
+    ``g`` (``g + (1 - k) b``); ``choose`` still finds the best batch rate over every
+    assignment, each step priced by the model's own ``raw``."""
+    cands = make_candidates(CANDS)
+    expected = [[1 + c.depth * u for c, u in zip(cands, row)] for row in accepts]
+    cost = CostModel(0.01, *bcdefg, drafted_factor=k).priced()
+
+    def rate(x) -> float:
+        tokens = sum(expected[i][j] for i, j in enumerate(x))
+        return tokens / cost.raw(auto.batch_shape(cands[j].shape for j in x))
+
+    picks = choose(expected, cands, cost)
+    best = max(rate(x) for x in itertools.product(range(len(cands)), repeat=len(expected)))
+    assert rate([cands.index(c) for c in picks]) == pytest.approx(best, rel=1e-9)
+
+
 def assert_choose_is_the_optimum(accepts, bcdef, weights=None) -> None:
     """``choose``'s batch rate equals the best over every assignment, for yields ``1 +
     depth_j * u_ij`` (any in ``[1, 1 + depth]``) and a cost ``(0.01, *bcdef)`` (``CANDS``
