@@ -52,6 +52,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.io import atomic_write_bytes, save_figure
+from tree_dev.server.auto_metrics import parse_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -364,26 +365,12 @@ def vllm_bench_serve(
     return out
 
 
-def parse_metrics(text: str, prefix: str = "treespec_auto_") -> dict[str, float]:
-    """``{'name{labels}': value}`` of the samples of Prometheus text ``text`` whose
-    metric name starts with ``prefix`` (comments skipped).
-
-    >>> parse_metrics('# HELP x\\ntreespec_auto_steps_total 7\\nvllm:x 1\\n')
-    {'treespec_auto_steps_total': 7.0}
-    """
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def scrape_auto_metrics(base: str) -> dict[str, float]:
     """The server's ``treespec_auto_*`` samples (``{}`` when ``/metrics`` fails: a
     benchmark round is not lost to it)."""
     try:
-        return parse_metrics(httpx.get(base + "/metrics", timeout=30).text)
+        text = httpx.get(base + "/metrics", timeout=30).text
+        return parse_samples(text, "treespec_auto_")
     except httpx.HTTPError:
         return {}
 

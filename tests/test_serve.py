@@ -26,6 +26,7 @@ from tests.factories import tiny_llama
 from tests.test_serve_helpers import Good, mixed_traffic
 from tree_dev.server import app as server_app
 from tree_dev.server import config, gates, protocol, worker
+from tree_dev.server.auto_metrics import parse_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = "topk:k=2,depth=3,budget=6"
@@ -1069,7 +1070,7 @@ def test_serve_load_reads_autos_choices_per_level_from_metrics():
     (``auto_metrics_lines``): its ``treespec_auto_*`` samples only, and per level the
     request-steps per chosen tree as the growth of the cumulative counters since the
     previous scrape."""
-    from bench.serve_load import choices_per_level, parse_metrics
+    from bench.serve_load import choices_per_level
     from tree_dev.server.auto_metrics import auto_metrics_lines
 
     def page(none: int, chain: int) -> str:
@@ -1077,11 +1078,14 @@ def test_serve_load_reads_autos_choices_per_level_from_metrics():
         stats["choices_by_class"]["greedy"] = {"chain:4": chain}
         return "\n".join(["vllm:num_requests_running 3", *auto_metrics_lines(stats)])
 
-    first = parse_metrics(page(10, 4))
+    def read(text: str) -> dict[str, float]:
+        return parse_samples(text, "treespec_auto_")  # as serve_load reads /metrics
+
+    first = read(page(10, 4))
     assert first["treespec_auto_steps_total"] == 14.0
     assert not any(k.startswith("vllm:") for k in first)
-    scrapes = [{"level": "c4 T=0.0", **first}, {"level": "c4 T=0.8", **parse_metrics(page(25, 6))}]
-    scrapes.append({"level": "c4 T=0.0", **parse_metrics(page(26, 9))})  # a second round
+    scrapes = [{"level": "c4 T=0.0", **first}, {"level": "c4 T=0.8", **read(page(25, 6))}]
+    scrapes.append({"level": "c4 T=0.0", **read(page(26, 9))})  # a second round
     per = choices_per_level(scrapes)
     assert per["c4 T=0.8"] == {
         'class="greedy",tree="chain:4"': 2.0,
@@ -1252,7 +1256,7 @@ def test_auto_metrics_lines_render_prometheus_text():
         "weighted_steps": 2,
     }
     text = "\n".join(auto_metrics_lines(stats))
-    samples = _samples(text)
+    samples = parse_samples(text)
     assert samples["treespec_auto_steps_total"] == 3
     assert samples['treespec_auto_choices_total{class="greedy",tree="chain:4"}'] == 2
     assert samples['treespec_auto_choices_total{class="sampled",tree="none"}'] == 3
@@ -1268,16 +1272,6 @@ def test_auto_metrics_lines_render_prometheus_text():
     # a tree name is an escaped label value
     odd = auto_metrics_lines({"choices_by_class": {"greedy": {'pa"th\\': 1}}})
     assert 'treespec_auto_choices_total{class="greedy",tree="pa\\"th\\\\"} 1' in odd
-
-
-def _samples(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{name{labels}: value}`` (comments skipped)."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 @pytest.mark.parametrize("gzipped", [False, True])
@@ -1323,7 +1317,7 @@ def test_vllm_metrics_middleware_appends_auto_stats(gzipped):
         r = http.get("/metrics")
         assert r.status_code == 200 and r.text.startswith(vllm_text), r.text
         assert r.headers["content-type"].startswith("text/plain")
-        s = _samples(r.text)
+        s = parse_samples(r.text)
         assert s['treespec_auto_choices_total{class="sampled",tree="chain:2"}'] == 1
         assert s["treespec_auto_predicted_step_seconds"] == 0.5
         assert s["treespec_auto_measured_step_seconds"] == 0.25
@@ -1382,7 +1376,7 @@ def test_local_server_with_tree_auto_serves_and_shows_its_choices(auto_srv, srv)
     for i in range(0, 6, 2):
         want = plain.generate([prompts[i % 4]], SamplingParams(max_tokens=12, ignore_eos=True))
         assert outs[i]["choices"][0]["token_ids"] == want[0], i
-    s = _samples(httpx.get(base + "/metrics", timeout=10).text)
+    s = parse_samples(httpx.get(base + "/metrics", timeout=10).text)
     choices = {k: v for k, v in s.items() if k.startswith("treespec_auto_choices_total{")}
     assert sum(choices.values()) == s["treespec_accepted_length_count"] > 0, choices
     assert {k.split('class="')[1].split('"')[0] for k in choices} == {"greedy", "sampled"}

@@ -457,6 +457,7 @@ class AutoPolicy:
         # request -> tries it built and did not run: (name, class, trie, context length)
         self._shadows: dict[Any, list[tuple[str, str, Trie, int]]] = {}
         self._shape = Shape(0, 0, 0, 0, 0, 0)
+        self._priced = cost_model  # this step's ``cost_model.priced()`` (``choose``)
 
     def expected_row(
         self,
@@ -614,9 +615,10 @@ class AutoPolicy:
             offer = self._offers.get(rid)  # a probe of a model tree: its whole catch-up
             if whole > late and offer is not None and index[offer] in caught_up[late]:
                 over[index[offer]] = with_catch_up(self._by_name[offer].shape, whole)
+        # the step's prices: drafts at what they are measured to add (``_probe_cost`` too)
+        self._priced = priced = self.cost_model.priced()
         if awake or self._none is None:
             w = None
-            priced = self.cost_model.priced()  # drafts at what they are measured to add
             if remaining is not None and len(requests) > 1:
                 left = [remaining.get(rid, 0) for rid, _ in requests]
                 w = makespan_weights(left, self._paces(requests, expected, resting), priced)
@@ -718,9 +720,8 @@ class AutoPolicy:
         if j0 is None:
             return 0.0
         without = batch_shape([*ran[:i], over.get(j0, self.candidates[j0].shape), *ran[i + 1 :]])
-        priced = self.cost_model.priced()
-        base = priced.raw(without)
-        return max(priced.raw(self._shape) - base, 0.0) / base if base > 0 else 0.0
+        base = self._priced.raw(without)
+        return max(self._priced.raw(self._shape) - base, 0.0) / base if base > 0 else 0.0
 
     @property
     def step_shape(self) -> Shape:

@@ -87,6 +87,22 @@ OPTIONAL = (
 )
 
 
+def parse_samples(text: str, prefix: str = "") -> dict[str, float]:
+    """Prometheus text -> ``{'name{labels}': value}`` of its samples whose metric name
+    starts with ``prefix`` (comments and blank lines skipped): what a client of
+    ``/metrics`` reads back (``bench.serve_load``, the tests).
+
+    >>> parse_samples('# HELP x\\ntreespec_auto_steps_total 7\\nvllm:x 1\\n', "treespec_")
+    {'treespec_auto_steps_total': 7.0}
+    """
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 def auto_metrics_lines(stats: Mapping[str, Any]) -> list[str]:
     """Prometheus text lines of ``tree: auto``'s statistics (``auto.AutoStats.as_dict``,
     plus the vLLM plugin's ``cost_model`` and ``cost_model_measured`` when present).
