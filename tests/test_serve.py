@@ -1065,6 +1065,51 @@ def test_serve_load_ratios_are_paired_per_round():
     assert _median_round(rounds)["id"] == 2
 
 
+def test_serve_load_servers_take_turns_level_by_level(monkeypatch):
+    """Every level is run by each server in turn before the next level (a ratio is of runs
+    a level apart, not a whole round apart); a server that fails is left out of every
+    later run and the others go on."""
+    import argparse
+
+    from bench import serve_load
+
+    calls = []
+
+    def bench(base, model, target, c, a, t):
+        calls.append((base, c, t))
+        if base == "b" and len(calls) > 3:
+            raise RuntimeError("server b died")
+        return {"level": serve_load.level_key(c, t), "output_throughput": 1.0}
+
+    monkeypatch.setattr(serve_load, "vllm_bench_serve", bench)
+
+    class Srv:
+        def __init__(self, base):
+            self.base = base
+
+    live = [({"name": n, "model_id": "m", "rounds": {}}, Srv(n)) for n in ("a", "b")]
+    levels = [(4, 0.0), (4, 0.8)]
+
+    class Bar:
+        def set_postfix(self, **_):
+            pass
+
+        def update(self):
+            pass
+
+    serve_load._measure_rounds(live, levels, None, argparse.Namespace(rounds=2), Bar())
+    assert calls == [
+        ("a", 4, 0.0),
+        ("b", 4, 0.0),
+        ("a", 4, 0.8),
+        ("b", 4, 0.8),  # round 1
+        ("a", 4, 0.0),
+        ("a", 4, 0.8),  # round 2: b failed at its second level
+    ]
+    assert "server b died" in live[1][0]["error"]
+    assert live[0][0]["rounds"]["c4 T=0.8"] == [{"level": "c4 T=0.8", "output_throughput": 1.0}] * 2
+
+
 def test_serve_load_reads_autos_choices_per_level_from_metrics():
     """The load benchmark reads back what the server's ``/metrics`` renders
     (``auto_metrics_lines``): its ``treespec_auto_*`` samples only, and per level the
