@@ -205,50 +205,90 @@ def test_fit_keeps_coefficients_non_negative():
 
 
 def test_drafted_factor_learns_what_drafts_add_beyond_the_fit():
-    """Plain steps of 4 as the fit says and drafted ones whose drafts take 1.4x what it
-    says (1 ms a row over the plain step's 4 rows): the uniform correction stays near 1,
-    ``drafted_factor`` goes to 1.4, and the prediction of a drafted step is then its
-    measured seconds; plain steps leave the factor alone, and it is clipped to
-    ``drafted_bounds`` (1 to 2)."""
+    """Plain steps of 4 as the fit says and drafted ones of two sizes whose drafts take
+    1.4x what it says (1 ms a row over the plain step's 4 rows): the uniform correction
+    stays near 1, ``drafted_factor`` goes to 1.4 with no offset, and the prediction of a
+    drafted step is then its measured seconds; plain steps leave both alone, and the
+    factor is clipped to ``drafted_bounds`` (1 to 2)."""
     m = CostModel(a=0.040, b=0.001, c=0.0, d=0.0, f=0.002)
-    plain, drafted = Shape(4, 0, 0, 0, 0, 4), Shape(12, 0, 0, 0, 1, 4)
-    extra = m.raw(drafted) - m.raw(plain)  # 8 rows and f: 10 ms
+    plain = Shape(4, 0, 0, 0, 0, 4)
+    small, big = Shape(12, 0, 0, 0, 1, 4), Shape(72, 0, 0, 0, 1, 4)
+    extra = {s: m.raw(s) - m.raw(plain) for s in (small, big)}  # f and 8 / 68 rows
     for _ in range(200):
         m.observe(plain, m.raw(plain))
-        assert m.drafted_factor == 1.0
-    for _ in range(20):
+        assert (m.drafted_factor, m.drafted_offset) == (1.0, 0.0)
+    for _ in range(80):
         m.observe(plain, m.raw(plain))
-        m.observe(drafted, m.raw(plain) + 1.4 * extra)
+        for s in (small, big):
+            m.observe(s, m.raw(plain) + 1.4 * extra[s])
     assert m.correction == pytest.approx(1.0, abs=0.01)
-    assert m.drafted_factor == pytest.approx(1.4, rel=0.02)
-    assert m.predict(drafted) == pytest.approx(m.raw(plain) + 1.4 * extra, rel=0.01)
+    assert m.drafted_factor == pytest.approx(1.4, rel=0.03)
+    assert m.drafted_offset == pytest.approx(0.0, abs=1e-3)  # of 10 and 70 ms
+    for s in (small, big):
+        assert m.predict(s) == pytest.approx(m.raw(plain) + 1.4 * extra[s], rel=0.01)
     assert m.predict(plain) == pytest.approx(m.correction * m.raw(plain))
     for _ in range(50):
-        m.observe(drafted, m.raw(plain) + 9 * extra)
+        for s in (small, big):
+            m.observe(s, m.raw(plain) + 9 * extra[s])
     assert m.drafted_factor == m.drafted_bounds[1] == 2.0
     for _ in range(50):  # drafts cheaper than the fit says: never priced below it
-        m.observe(drafted, m.raw(plain) + 0.3 * extra)
-    assert m.drafted_factor == m.drafted_bounds[0] == 1.0
+        for s in (small, big):
+            m.observe(s, m.raw(plain) + 0.3 * extra[s])
+    assert (m.drafted_factor, m.drafted_offset) == (m.drafted_bounds[0], 0.0) == (1.0, 0.0)
+
+
+def test_drafted_offset_prices_a_step_the_fit_reads_as_free():
+    """A fit that put the fixed cost of a step with drafts elsewhere (``f`` 0, rows free)
+    says a chain trie's step costs what a plain one does; measured, it takes 2.5 ms more,
+    as does a step with a branched tree (2.8 ms by the fit) 2.5 ms over it. No factor
+    can price the first (it scales 0): ``drafted_offset`` learns the 2.5 ms, the factor
+    stays at 1, and both steps are then predicted as measured. The offset is at most a
+    plain step of one request."""
+    m = CostModel(a=0.0045, b=0.0, c=0.002, d=0.0, e=0.0028, f=0.0, g=0.0003)
+    plain, chain, branched = (Shape(8, 0, 0, br, dr, 8) for br, dr in ((0, 0), (0, 1), (1, 1)))
+    assert m.predict(chain) == m.predict(plain)
+    for _ in range(150):  # the uniform correction takes a share at first
+        m.observe(plain, m.raw(plain))
+        m.observe(chain, m.raw(plain) + 0.0025)
+        m.observe(branched, m.raw(branched) + 0.0025)
+    assert m.drafted_offset == pytest.approx(0.0025, rel=0.03)
+    assert m.drafted_factor == pytest.approx(1.0, abs=0.02)
+    assert m.predict(chain) == pytest.approx(m.raw(plain) + 0.0025, rel=0.01)
+    assert m.predict(branched) == pytest.approx(m.raw(branched) + 0.0025, rel=0.01)
+    assert m.priced().f == pytest.approx(m.drafted_offset)  # choose's price of drafting
+    for _ in range(60):  # far dearer: capped at a plain step of one request
+        m.observe(chain, m.raw(plain) + 0.5)
+    assert m.drafted_offset == pytest.approx(m.a + m.b + m.g)
+    m.drafted_offset_max = 0.0  # no offset (an A/B's other side): gone where it is read
+    assert m.predict(chain) == pytest.approx(m.predict(plain))
+    assert m.priced().f == 0.0
+    fixed = CostModel(a=0.0045, b=0.0, c=0.0, d=0.0, learn_drafted=False)
+    fixed.observe(chain, 0.5)
+    assert (fixed.drafted_factor, fixed.drafted_offset) == (1.0, 0.0)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.integers(0, 64), min_size=6, max_size=6),
     st.floats(0.5, 2.0),
+    st.floats(0.0, 0.01),
     st.lists(st.floats(0.0, 0.01), min_size=7, max_size=7),
 )
-def test_priced_model_is_plain_step_plus_scaled_drafts(sizes, k, coef):
+def test_priced_model_is_plain_step_plus_scaled_drafts(sizes, k, o, coef):
     """``CostModel.priced()``'s raw seconds of any shape are the plain step of its
-    requests plus ``drafted_factor`` times what the drafts add, and its ``predict`` at
-    ``correction`` equals the model's own: ``choose`` compares what ``predict`` says."""
+    requests plus, with drafts, ``drafted_factor`` times what they add and
+    ``drafted_offset``; its ``predict`` at ``correction`` equals the model's own:
+    ``choose`` compares what ``predict`` says."""
     v, lv, r, br, dr, n = sizes
-    shape = Shape(n + v, lv, r, br, min(dr, 1), n)
-    m = CostModel(*coef, drafted_factor=k, correction=1.3)
+    dr = 1 if v or lv or r or br else min(dr, 1)  # a step with drafts is drafted (f)
+    shape = Shape(n + v, lv, r, br, dr, n)
+    m = CostModel(*coef, drafted_factor=k, drafted_offset=o, correction=1.3)
     p = m.priced()
     plain = m.raw(m.plain_of(shape))
-    assert p.raw(shape) == pytest.approx(plain + k * (m.raw(shape) - plain), rel=1e-9, abs=1e-12)
-    if shape.drafted:
-        assert p.correction * p.raw(shape) == pytest.approx(m.predict(shape), rel=1e-9, abs=1e-12)
+    o = min(o, m.a + m.b + m.g)  # the offset's cap: a plain step of one request
+    want = plain + k * (m.raw(shape) - plain) + o if dr else m.raw(shape)
+    assert p.raw(shape) == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert p.correction * p.raw(shape) == pytest.approx(m.predict(shape), rel=1e-9, abs=1e-12)
     assert p.raw(m.plain_of(shape)) == pytest.approx(plain, rel=1e-9, abs=1e-12)
 
 
@@ -631,14 +671,15 @@ def test_choose_is_the_exact_optimum(accepts, bcde):
     st.lists(st.lists(st.floats(0, 1), min_size=4, max_size=4), min_size=1, max_size=4),
     st.tuples(*[st.floats(0, 0.01)] * 6),
     st.floats(1.0, 2.0),
+    st.floats(0.0, 0.01),
 )
-def test_choose_is_the_exact_optimum_of_a_priced_model(accepts, bcdefg, k):
+def test_choose_is_the_exact_optimum_of_a_priced_model(accepts, bcdefg, k, o):
     """``CostModel.priced()`` (what ``AutoPolicy`` hands ``choose``) may carry a negative
-    ``g`` (``g + (1 - k) b``); ``choose`` still finds the best batch rate over every
-    assignment, each step priced by the model's own ``raw``."""
+    ``g`` (``g + (1 - k) b``) and an offset in ``f``; ``choose`` still finds the best
+    batch rate over every assignment, each step priced by the model's own ``raw``."""
     cands = make_candidates(CANDS)
     expected = [[1 + c.depth * u for c, u in zip(cands, row)] for row in accepts]
-    cost = CostModel(0.01, *bcdefg, drafted_factor=k).priced()
+    cost = CostModel(0.01, *bcdefg, drafted_factor=k, drafted_offset=o).priced()
 
     def rate(x) -> float:
         tokens = sum(expected[i][j] for i, j in enumerate(x))

@@ -252,6 +252,7 @@ class AutoStats:
     last_measured_s: float = 0.0
     correction: float = 1.0
     drafted_factor: float = 1.0  # the cost model's, on what drafts add to a step
+    drafted_offset: float = 0.0  # the cost model's seconds a step with drafts adds, uncorrected
     trie_shadows: int = 0  # tries scored on steps that did not run them
     rested: int = 0  # request-steps given none without a choice (``AutoPolicy``'s rest)
     weighted_steps: int = 0  # choices with unequal token weights (``makespan_weights``)
@@ -284,6 +285,7 @@ class AutoStats:
             "last_measured_s": self.last_measured_s,
             "correction": self.correction,
             "drafted_factor": self.drafted_factor,
+            "drafted_offset": self.drafted_offset,
             "trie_shadows": self.trie_shadows,
             "rested": self.rested,
             "weighted_steps": self.weighted_steps,
@@ -774,6 +776,7 @@ class AutoPolicy:
             self.cost_model.observe(ran, seconds)
             self.stats.correction = self.cost_model.correction
             self.stats.drafted_factor = self.cost_model.drafted_factor
+            self.stats.drafted_offset = self.cost_model.drafted_offset
 
     def forget(self, req_id: Any) -> None:
         """A request finished."""

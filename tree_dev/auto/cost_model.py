@@ -61,16 +61,23 @@ class CostModel:
 
     - ``correction``, of every step: ``sum(decay^i * measured_i) / sum(decay^i *
       raw_i)``, in ``bounds``. A uniform factor: it never changes which trees win.
-    - ``drafted_factor``, of the steps with drafts: what they took over the plain step
-      of as many requests (``plain_of``), against what the model says their drafts add
-      (both at ``correction``), in ``drafted_bounds`` (1 to 2: a tree is never priced
-      below the fit; one factor spans every kind of tree, and on the toy its cheap tries
-      ran at 0.55x the fit while its draft model's trees ran at it, so a factor below
-      1 made those look half their price). It scales the drafted part, ``raw(shape) -
-      raw(plain_of(shape))``, so it does change which trees win: served traffic is
-      mostly plain steps, so a fit can be right on them and wrong by a third on the
-      few with drafts (SmolLM2 at 4 concurrent: 18.8 ms measured, 14.4 ms predicted).
-      ``priced()`` is the model with it folded into the coefficients (``choose``'s).
+    - ``drafted_factor`` ``k`` and ``drafted_offset`` ``o`` (seconds, uncorrected), of
+      the steps with drafts: what they took over the plain step of as many requests
+      (``plain_of``), at ``correction``, is fitted as ``k * extra + o``, ``extra`` what
+      the model says their drafts add (``raw(shape) - raw(plain_of(shape))``): a decayed
+      least squares over those steps that leans ``k`` towards 1 where their ``extra``
+      hardly varies (then ``o`` takes the gap), ``k`` in ``drafted_bounds`` (1 to 2)
+      and ``o`` in 0 to a plain step of one request (``drafted_offset_max``): a tree is
+      never priced below the fit (on the toy its cheap tries ran at 0.55x the fit while
+      its draft model's trees ran at it, so a factor below 1 made those look half their
+      price). Both change
+      which trees win: served traffic is mostly plain steps, so a fit can be right on
+      them and wrong by a third on the few with drafts (SmolLM2 at 4 concurrent: 18.8 ms
+      measured, 14.4 ms predicted), and a fit can put the fixed cost of leaving the
+      plain path on its branched term, so that a chain trie's step reads as free (the
+      toy at 8 concurrent, T=0.8: 2.5 ms measured, 0.2 ms predicted) where no factor
+      helps and an offset does. ``priced()`` is the model with both folded into the
+      coefficients (``choose``'s).
 
     >>> m = CostModel(a=0.010, b=0.0001, c=0.001, d=0.0, e=0.002, f=0.003)
     >>> round(m.predict(Shape(33, 6, 21)), 6), round(m.predict(Shape(33, 6, 21, 1, 1)), 6)
@@ -91,8 +98,14 @@ class CostModel:
     #: ``drafted_factor``'s: never below 1 (one factor for every tree: the toy's tries,
     #: measured at 0.55x what the fit says, took its draft model's trees down with them)
     drafted_bounds: tuple[float, float] = (1.0, 2.0)
-    #: False: ``drafted_factor`` stays as it is (a model given, for a choice that does
-    #: not depend on timing; the uniform ``correction`` never changes a choice)
+    #: seconds (uncorrected) every step with drafts takes beyond the fit, at least 0 and
+    #: at most ``drafted_offset_max`` plain steps of one request (``a + b + g``)
+    drafted_offset: float = 0.0
+    #: the cap on ``drafted_offset``, in plain steps of one request, applied where it is
+    #: read (0: no offset, the factor alone, as before it; ``bench.auto_ab`` A/Bs it)
+    drafted_offset_max: float = 1.0
+    #: False: ``drafted_factor`` and ``drafted_offset`` stay as they are (a model given,
+    #: for a choice that does not depend on timing; ``correction`` never changes one)
     learn_drafted: bool = True
     samples: int = 0  # steps the fit used
     rel_rms: float = 0.0  # the fit's relative RMS error on them
@@ -101,8 +114,9 @@ class CostModel:
     anchor: list[tuple[Shape, float]] = field(default_factory=list, repr=False)
     _num: float = field(default=0.0, repr=False, init=False)
     _den: float = field(default=0.0, repr=False, init=False)
-    _drafted_num: float = field(default=0.0, repr=False, init=False)
-    _drafted_den: float = field(default=0.0, repr=False, init=False)
+    #: decayed sums over steps with drafts of 1, x, x*x, y, x*y (x: the fit's extra, y:
+    #: the measured extra, uncorrected) for ``drafted_factor`` and ``drafted_offset``
+    _drafted_sums: tuple[float, ...] = field(default=(0.0,) * 5, repr=False, init=False)
 
     def coefficients(self) -> dict[str, float]:
         """``{"a": ..., ..., "g": ...}``: the fitted coefficients (the engines' stats)."""
@@ -120,22 +134,33 @@ class CostModel:
         return self.b * parts[..., 0] + self.d * parts[..., 1] + self.e * parts[..., 2]
 
     def priced(self) -> CostModel:
-        """This model with ``drafted_factor`` ``k`` folded into its coefficients (``b..f``
-        times ``k``, ``g`` plus ``(1 - k) * b``): its ``raw`` is ``raw(plain_of(shape)) + k
-        * (raw(shape) - raw(plain_of(shape)))`` for every shape (a plain step's rows are one
-        per request), what ``choose`` compares; ``self`` when ``k`` is 1.
+        """This model with ``drafted_factor`` ``k`` and ``drafted_offset`` ``o`` folded into
+        its coefficients (``b..e`` times ``k``, ``f`` to ``k * f + o``, ``g`` plus ``(1 -
+        k) * b``): its ``raw`` is ``raw(plain_of(shape)) + k * (raw(shape) -
+        raw(plain_of(shape))) + o`` for every shape with drafts (a plain step's rows are
+        one per request) and ``raw(shape)`` for one without, what ``choose`` compares;
+        ``self`` when ``k`` is 1 and ``o`` 0.
 
-        >>> m = CostModel(a=0.05, b=0.002, c=0.003, d=0.0, f=0.001, drafted_factor=1.5)
+        >>> m = CostModel(a=0.05, b=0.002, c=0.003, d=0.0, f=0.001, drafted_factor=1.5,
+        ...               drafted_offset=0.004)
         >>> s = Shape(12, 2, 8, 0, 1, 4)
         >>> p = m.plain_of(s)
-        >>> round(m.priced().raw(s), 9) == round(m.raw(p) + 1.5 * (m.raw(s) - m.raw(p)), 9)
+        >>> want = m.raw(p) + 1.5 * (m.raw(s) - m.raw(p)) + 0.004
+        >>> round(m.priced().raw(s), 9) == round(want, 9)
         True
         """
-        k = self.drafted_factor
-        if k == 1.0:
+        k, o = self.drafted_factor, self._offset()
+        if k == 1.0 and o == 0.0:
             return self
-        scaled = {c: k * getattr(self, c) for c in "bcdef"}
-        return replace(self, **scaled, g=self.g + (1.0 - k) * self.b, drafted_factor=1.0)
+        scaled = {c: k * getattr(self, c) for c in "bcde"}
+        return replace(
+            self,
+            **scaled,
+            f=k * self.f + o,
+            g=self.g + (1.0 - k) * self.b,
+            drafted_factor=1.0,
+            drafted_offset=0.0,
+        )
 
     @staticmethod
     def plain_of(shape: Shape | Sequence[int]) -> Shape:
@@ -152,30 +177,71 @@ class CostModel:
         plain = self.raw(self.plain_of(shape))
         return plain, raw - plain
 
+    def _priced_raw(self, shape: Shape) -> float:
+        """``raw(shape)`` with the drafts as ``drafted_factor`` and ``drafted_offset`` price
+        them (``priced().raw(shape)``)."""
+        plain, extra = self._split(shape)
+        if not shape.drafted:
+            return plain
+        return plain + self.drafted_factor * extra + self._offset()
+
+    def _offset_cap(self) -> float:
+        """The most ``drafted_offset`` may be: ``drafted_offset_max`` plain steps of one
+        request."""
+        return max(self.drafted_offset_max * (self.a + self.b + self.g), 0.0)
+
+    def _offset(self) -> float:
+        """``drafted_offset`` within its cap now (the cap may have been lowered since)."""
+        return min(self.drafted_offset, self._offset_cap())
+
     def predict(self, shape: Shape | Sequence[int]) -> float:
-        """The predicted seconds of a step of ``shape`` (both corrections)."""
-        plain, extra = self._split(Shape(*shape))
-        return self.correction * (plain + self.drafted_factor * extra)
+        """The predicted seconds of a step of ``shape`` (every correction)."""
+        return self.correction * self._priced_raw(Shape(*shape))
 
     def observe(self, shape: Shape | Sequence[int], measured: float) -> None:
         """Correct online from one measured step of ``shape`` (seconds): ``correction``
-        against the prediction with the drafts as ``drafted_factor`` scales them (so it
-        does not take in what only drafted steps get wrong), then, for a step with
-        drafts, ``drafted_factor`` on its seconds over the corrected plain step."""
-        plain, extra = self._split(Shape(*shape))
-        priced = plain + self.drafted_factor * extra
+        against the prediction with the drafts as priced (so it does not take in what
+        only drafted steps get wrong), then, for a step with drafts, ``drafted_factor``
+        and ``drafted_offset`` on its seconds over the corrected plain step."""
+        shape = Shape(*shape)
+        priced = self._priced_raw(shape)
         if not (priced > 0 and math.isfinite(measured) and measured > 0):
             return
         k = self.correction_decay
         self._num, self._den = k * self._num + measured, k * self._den + priced
         lo, hi = self.bounds
         self.correction = min(hi, max(lo, self._num / self._den))
-        if extra <= 0 or not self.learn_drafted:
+        if not shape.drafted or not self.learn_drafted:
             return
-        self._drafted_num = k * self._drafted_num + (measured - self.correction * plain)
-        self._drafted_den = k * self._drafted_den + self.correction * extra
+        plain, extra = self._split(shape)
+        x, y = extra, measured / self.correction - plain
+        old = self._drafted_sums
+        self._drafted_sums = sums = tuple(k * s + v for s, v in zip(old, (1.0, x, x * x, y, x * y)))
+        self.drafted_factor, self.drafted_offset = self._drafted_fit(*sums)
+
+    def _drafted_fit(
+        self, s1: float, sx: float, sxx: float, sy: float, sxy: float
+    ) -> tuple[float, float]:
+        """``(drafted_factor, drafted_offset)`` from the decayed sums of ``observe``: least
+        squares of ``y = k * x + o`` with a ridge pulling ``k`` to 1 (1% of the ``x * x``
+        sum: where ``x`` hardly varies the offset takes the gap), then ``k``
+        clipped to ``drafted_bounds`` and ``o`` to ``[0, _offset_cap()]``, each refitted to
+        the data once the other is held at its bound."""
         lo, hi = self.drafted_bounds
-        self.drafted_factor = min(hi, max(lo, self._drafted_num / self._drafted_den))
+        cap = self._offset_cap()
+        if sxx <= 1e-18 * max(s1, 1.0):  # no step said what its drafts add: k stays
+            k = min(hi, max(lo, self.drafted_factor))
+        else:
+            ridge = 0.01 * sxx
+            det = (sxx + ridge) * s1 - sx * sx
+            k = ((sxy + ridge) * s1 - sx * sy) / det if det > 0 else self.drafted_factor
+            k = min(hi, max(lo, k))
+        o = (sy - k * sx) / s1
+        if not 0.0 <= o <= cap:
+            o = min(cap, max(0.0, o))
+            if sxx > 1e-18 * max(s1, 1.0):
+                k = min(hi, max(lo, (sxy - o * sx) / sxx))
+        return k, o
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[Shape | Sequence[int], float]]) -> CostModel:

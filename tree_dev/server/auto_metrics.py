@@ -60,6 +60,12 @@ OPTIONAL = (
         "Online factor on what a step's drafts add to its seconds over the cost model's.",
     ),
     (
+        "drafted_offset",
+        "treespec_auto_cost_drafted_offset_seconds",
+        "gauge",
+        "Online seconds (before the correction) a step with drafts takes beyond the model.",
+    ),
+    (
         "trie_shadows",
         "treespec_auto_trie_shadows_total",
         "counter",
