@@ -73,22 +73,19 @@ def _is_setting(item: str) -> bool:
     """Whether ``item`` starts a new ``NAME=VALUE`` of ``parse_setting`` (its name is an
     attribute name, ``force`` or ``cost.NAME``), not a part of a tree spec (``min=3``)."""
     name = item.strip().partition("=")[0]
-    return name == "force" or name.startswith("cost.") or name in _POLICY_SETTINGS
+    return name == "force" or name.startswith("cost.") or name in _policy_settings()
 
 
-#: AutoPolicy attributes a setting may name (``parse_setting`` tells them from the
-#: ``key=value`` parts of a forced tree spec)
-_POLICY_SETTINGS = frozenset(
-    {
-        "rest_after",
-        "longest_rest",
-        "rest_above",
-        "drift_decay",
-        "drift_recover",
-        "class_drift_decay",
-        "class_drift_recover",
-    }
-)
+def _policy_settings() -> frozenset[str]:
+    """``AutoPolicy``'s number settings (its keyword arguments, but the objects it is
+    given): the names ``parse_setting`` tells from the ``key=value`` parts of a forced
+    tree spec."""
+    import inspect
+
+    from tree_dev.auto import AutoPolicy
+
+    params = inspect.signature(AutoPolicy.__init__).parameters
+    return frozenset(params) - {"self", "candidates", "cost_model", "tracker", "clock"}
 
 
 def _number(name: str, value: str) -> int | float | tuple[float, ...]:
@@ -100,13 +97,22 @@ def _number(name: str, value: str) -> int | float | tuple[float, ...]:
         raise ValueError(f"setting {name}={value!r}: not a number or numbers a:b") from None
 
 
-def check_setting(setting: dict[str, Any], policy, cost) -> None:
-    """``ValueError`` naming an attribute of ``setting`` that ``policy`` (or, for
-    ``cost.NAME``, ``cost``) does not have: a typo must not run an A/B of nothing."""
+def _owner(name: str, policy) -> tuple[Any, str]:
+    """The object a setting ``name`` sets and its attribute: ``(policy.cost_model,
+    NAME)`` for ``cost.NAME``, else ``(policy, name)``."""
+    if name.startswith("cost."):
+        return policy.cost_model, name[5:]
+    return policy, name
+
+
+def check_setting(setting: dict[str, Any], policy) -> None:
+    """``ValueError`` naming an attribute of ``setting`` that ``policy`` (an
+    ``AutoPolicy``; for ``cost.NAME``, its cost model) does not have: a typo must not
+    run an A/B of nothing."""
     for name in setting:
         if name == "force":
             continue
-        target, attr = (cost, name[5:]) if name.startswith("cost.") else (policy, name)
+        target, attr = _owner(name, policy)
         if not hasattr(target, attr):
             raise ValueError(f"setting {name!r}: {type(target).__name__} has no {attr!r}")
 
@@ -130,12 +136,8 @@ def _apply(setting: dict[str, Any], auto, llm, base: dict[str, Any]) -> None:
     setting not in this one go back to ``base`` (their values before the A/B)."""
     llm.collective_rpc("treespec_auto_force", args=(setting.get("force"),))
     for name, value in {**base, **setting}.items():
-        if name == "force":
-            continue
-        if name.startswith("cost."):
-            setattr(auto.auto.cost_model, name[5:], value)
-        else:
-            setattr(auto.auto, name, value)
+        if name != "force":
+            setattr(*_owner(name, auto.auto), value)
 
 
 def main() -> None:
@@ -176,13 +178,9 @@ def main() -> None:
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     auto = tree_runner_of(runner).proposer.auto
     for s in (a_set, b_set):
-        check_setting(s, auto.auto, auto.auto.cost_model)
+        check_setting(s, auto.auto)
     base = {  # what a setting's names were before: the other setting restores them
-        name: getattr(auto.auto.cost_model, name[5:])
-        if name.startswith("cost.")
-        else getattr(auto.auto, name)
-        for name in {**a_set, **b_set}
-        if name != "force"
+        name: getattr(*_owner(name, auto.auto)) for name in {**a_set, **b_set} if name != "force"
     }
     current: dict[str, Any] = {}
     refit = auto_choice.VllmAuto._fit
@@ -191,7 +189,7 @@ def main() -> None:
         refit(self)
         for name, value in {**base, **current}.items():
             if name.startswith("cost."):
-                setattr(self.auto.cost_model, name[5:], value)
+                setattr(*_owner(name, self.auto), value)
 
     auto_choice.VllmAuto._fit = fit_keeping_setting
     prompts = setup["prompts"]

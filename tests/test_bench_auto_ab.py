@@ -28,13 +28,11 @@ def test_parse_setting_names_the_item_it_cannot_read(bad):
 
 def test_check_setting_names_an_attribute_that_is_not_there():
     policy = AutoPolicy(["chain:2"], CostModel(a=0.01, b=0.0, c=0.001, d=0.0))
-    check_setting(
-        parse_setting("longest_rest=8,cost.drafted_bounds=0.5:2"), policy, policy.cost_model
-    )
+    check_setting(parse_setting("longest_rest=8,cost.drafted_bounds=0.5:2"), policy)
     with pytest.raises(ValueError, match="longest_rests"):
-        check_setting({"longest_rests": 8}, policy, policy.cost_model)
+        check_setting({"longest_rests": 8}, policy)
     with pytest.raises(ValueError, match="CostModel has no 'drafted_bound'"):
-        check_setting({"cost.drafted_bound": (1.0, 2.0)}, policy, policy.cost_model)
+        check_setting({"cost.drafted_bound": (1.0, 2.0)}, policy)
 
 
 def test_paired_summary_is_the_median_of_same_wave_ratios():

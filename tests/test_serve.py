@@ -1070,6 +1070,7 @@ def test_serve_load_servers_take_turns_level_by_level(monkeypatch):
     a level apart, not a whole round apart); a server that fails is left out of every
     later run and the others go on."""
     import argparse
+    import types
 
     from bench import serve_load
 
@@ -1090,14 +1091,8 @@ def test_serve_load_servers_take_turns_level_by_level(monkeypatch):
     live = [({"name": n, "model_id": "m", "rounds": {}}, Srv(n)) for n in ("a", "b")]
     levels = [(4, 0.0), (4, 0.8)]
 
-    class Bar:
-        def set_postfix(self, **_):
-            pass
-
-        def update(self):
-            pass
-
-    serve_load._measure_rounds(live, levels, None, argparse.Namespace(rounds=2), Bar())
+    bar = types.SimpleNamespace(set_postfix=lambda **_: None, update=lambda: None)
+    serve_load._measure_rounds(live, levels, None, argparse.Namespace(rounds=2), bar)
     assert calls == [
         ("a", 4, 0.0),
         ("b", 4, 0.0),

@@ -70,13 +70,12 @@ class CostModel:
       and ``o`` in 0 to a plain step of one request (``drafted_offset_max``): a tree is
       never priced below the fit (on the toy its cheap tries ran at 0.55x the fit while
       its draft model's trees ran at it, so a factor below 1 made those look half their
-      price). Both change
-      which trees win: served traffic is mostly plain steps, so a fit can be right on
-      them and wrong by a third on the few with drafts (SmolLM2 at 4 concurrent: 18.8 ms
-      measured, 14.4 ms predicted), and a fit can put the fixed cost of leaving the
-      plain path on its branched term, so that a chain trie's step reads as free (the
-      toy at 8 concurrent, T=0.8: 2.5 ms measured, 0.2 ms predicted) where no factor
-      helps and an offset does. ``priced()`` is the model with both folded into the
+      price). Both change which trees win: served traffic is mostly plain steps, so a
+      fit can be right on them and wrong by a third on the few with drafts (SmolLM2 at 4
+      concurrent: 18.8 ms measured, 14.4 ms predicted), and a fit can put the fixed cost
+      of leaving the plain path on its branched term, so that a chain trie's step reads
+      as free (the toy at 8 concurrent, T=0.8: 2.5 ms measured, 0.2 ms predicted) where
+      no factor helps and an offset does. ``priced()`` is the model with both folded into the
       coefficients (``choose``'s).
 
     >>> m = CostModel(a=0.010, b=0.0001, c=0.001, d=0.0, e=0.002, f=0.003)
@@ -177,13 +176,13 @@ class CostModel:
         plain = self.raw(self.plain_of(shape))
         return plain, raw - plain
 
-    def _priced_raw(self, shape: Shape) -> float:
-        """``raw(shape)`` with the drafts as ``drafted_factor`` and ``drafted_offset`` price
-        them (``priced().raw(shape)``)."""
+    def _priced_split(self, shape: Shape) -> tuple[float, float, float]:
+        """``(priced().raw(shape), plain, extra)``: ``raw(shape)`` with the drafts as
+        ``drafted_factor`` and ``drafted_offset`` price them, and ``_split(shape)``."""
         plain, extra = self._split(shape)
         if not shape.drafted:
-            return plain
-        return plain + self.drafted_factor * extra + self._offset()
+            return plain, plain, extra
+        return plain + self.drafted_factor * extra + self._offset(), plain, extra
 
     def _offset_cap(self) -> float:
         """The most ``drafted_offset`` may be: ``drafted_offset_max`` plain steps of one
@@ -196,7 +195,7 @@ class CostModel:
 
     def predict(self, shape: Shape | Sequence[int]) -> float:
         """The predicted seconds of a step of ``shape`` (every correction)."""
-        return self.correction * self._priced_raw(Shape(*shape))
+        return self.correction * self._priced_split(Shape(*shape))[0]
 
     def observe(self, shape: Shape | Sequence[int], measured: float) -> None:
         """Correct online from one measured step of ``shape`` (seconds): ``correction``
@@ -204,7 +203,7 @@ class CostModel:
         only drafted steps get wrong), then, for a step with drafts, ``drafted_factor``
         and ``drafted_offset`` on its seconds over the corrected plain step."""
         shape = Shape(*shape)
-        priced = self._priced_raw(shape)
+        priced, plain, extra = self._priced_split(shape)
         if not (priced > 0 and math.isfinite(measured) and measured > 0):
             return
         k = self.correction_decay
@@ -213,7 +212,6 @@ class CostModel:
         self.correction = min(hi, max(lo, self._num / self._den))
         if not shape.drafted or not self.learn_drafted:
             return
-        plain, extra = self._split(shape)
         x, y = extra, measured / self.correction - plain
         old = self._drafted_sums
         self._drafted_sums = sums = tuple(k * s + v for s, v in zip(old, (1.0, x, x * x, y, x * y)))
@@ -229,7 +227,8 @@ class CostModel:
         the data once the other is held at its bound."""
         lo, hi = self.drafted_bounds
         cap = self._offset_cap()
-        if sxx <= 1e-18 * max(s1, 1.0):  # no step said what its drafts add: k stays
+        varied = sxx > 1e-18 * max(s1, 1.0)  # else no step said what its drafts add
+        if not varied:  # k stays
             k = min(hi, max(lo, self.drafted_factor))
         else:
             ridge = 0.01 * sxx
@@ -239,7 +238,7 @@ class CostModel:
         o = (sy - k * sx) / s1
         if not 0.0 <= o <= cap:
             o = min(cap, max(0.0, o))
-            if sxx > 1e-18 * max(s1, 1.0):
+            if varied:
                 k = min(hi, max(lo, (sxy - o * sx) / sxx))
         return k, o
 
