@@ -1461,6 +1461,39 @@ def test_vllm_refit_waits_for_distinct_shapes_among_the_kept_samples(tmp_path, m
     assert fits == [8]
 
 
+def test_vllm_online_refit_caches_its_fit_without_waiting_on_the_disk(tmp_path, monkeypatch):
+    """An online refit (every ``REFIT_EVERY`` timed steps) uses its fit at once and writes
+    the cache in a background thread: a write held back (a slow ``fsync``) does not hold
+    the step that refitted; once it is let go the cache holds that fit."""
+    import threading
+
+    from tree_dev.spec import parse_tree_spec
+    from tree_dev.vllm_plugin import auto_choice
+
+    monkeypatch.setattr(auto_choice, "REFIT_EVERY", 1)
+    policy = parse_tree_spec("auto:ngram:budget=8").for_draft("ngram")
+    va = auto_choice.VllmAuto(policy, "m", "d", "float32", "cpu", cache_dir=tmp_path)
+    release, waited = threading.Event(), []
+    real_save = auto_choice.save_cost_model
+
+    def slow_save(directory, key, model):
+        waited.append(release.wait(10))  # False: the refit sat on the write's thread
+        return real_save(directory, key, model)
+
+    monkeypatch.setattr(auto_choice, "save_cost_model", slow_save)
+    for rows in (1, 2, 3, 4):
+        va._keep_sample(Shape(rows, 0, 0), 0.002 + 0.001 * rows)
+    va._since_fit = 1
+    va._maybe_refit()  # the fit is in use before its write is let go
+    assert va.auto.cost_model.b == pytest.approx(0.001, rel=1e-3)
+    assert auto.load_cost_model(tmp_path, va.key) is None
+    release.set()
+    va.wait_saved(10)
+    assert waited == [True]
+    cached = auto.load_cost_model(tmp_path, va.key)
+    assert cached is not None and cached.b == pytest.approx(va.auto.cost_model.b)
+
+
 def vllm_step(va, prefill: int = 0, seconds_before: float = 0.0) -> None:
     """One step of a ``VllmAuto`` for requests "a" and "b", none verified a tree (a plain
     step of 2 rows), ``prefill`` prompt tokens beside them."""
@@ -1537,6 +1570,66 @@ def test_a_request_where_nothing_pays_rests_and_is_not_read():
     assert pattern == "cccc" + "z" + "c" + "zz" + ("c" + "zzzz") * 4 + "cz", pattern
     assert len(reads) == pattern.count("c") + pattern.count("T")
     assert policy.stats.as_dict()["rested"] == pattern.count("z")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_a_batch_that_rests_whole_is_chosen_as_the_full_path_chooses(seed):
+    """Where every request of a step rests, ``choose`` takes a short path
+    (``_all_rest``). Random batches (4 requests, greedy and T=0.8, joining and leaving;
+    tries built on the steps a request is awake, as an engine does; accepted drafts at
+    random) run through a policy with it and one without: every pick, the probes and
+    their backoff, the rests, the counts and the step shape agree, step by step, and
+    the short path was taken."""
+    rng = np.random.default_rng(seed)
+    cost = CostModel(a=0.004, b=0.0, c=0.004, d=0.0)
+    cands = ["chain:2", "ngram:budget=4"]
+    fast = AutoPolicy(cands, cost, rest_above=0.0)
+    full = AutoPolicy(cands, cost, rest_above=0.0)
+    full._rests_whole_batch = lambda *a: False
+    short = 0
+    real = fast._all_rest
+
+    def counted(*a):
+        nonlocal short
+        short += 1
+        return real(*a)
+
+    fast._all_rest = counted
+    live = {f"r{i}": (float(rng.choice([0.0, 0.8])), [1, 2, 3]) for i in range(4)}
+    for t in range(120):
+        if rng.random() < 0.03:  # a request leaves, another joins
+            gone = sorted(live)[int(rng.integers(len(live)))]
+            del live[gone]
+            fast.forget(gone)
+            full.forget(gone)
+            live[f"n{t}"] = (float(rng.choice([0.0, 0.8])), [1, 2, 3])
+        requests = [(rid, temp) for rid, (temp, _) in live.items()]
+        luck = {rid: rng.random() if t > 60 else 0.0 for rid in live}  # the same for both
+        picks = []
+        for policy in (fast, full):
+            tries = {
+                rid: policy.step_tries(rid, ctx)
+                for rid, (_, ctx) in live.items()
+                if not policy.resting(rid)
+            }
+            got = policy.choose(requests, tries=tries)
+            picks.append({rid: c.name for rid, c in got.items()})
+            steps = []
+            for rid, c in got.items():
+                trie = tries.get(rid, {}).get(c.name)
+                depth = c.depth if trie is None else trie.tree.max_depth
+                steps.append(step_of(rid, depth, int(luck[rid] * (depth + 1))))
+            policy.record(steps)
+        assert picks[0] == picks[1], t
+        assert fast.step_shape == full.step_shape
+        for _, ctx in live.values():  # sampled text: a new token, rarely a repeat
+            ctx.append(int(rng.integers(1, 4)) if rng.random() < 0.2 else 10 + t)
+    assert short > 0
+    assert fast.stats.as_dict() == full.stats.as_dict()
+    assert fast._rest_left == full._rest_left and fast._none_run == full._none_run
+    for cls in ("greedy", "sampled"):
+        assert fast.tracker.probe_interval(cls) == full.tracker.probe_interval(cls)
 
 
 def test_a_resting_request_finds_a_trie_that_begins_to_match():

@@ -584,6 +584,8 @@ class AutoPolicy:
         t0 = self._clock()
         classes = [temperature_class(t) for _, t in requests]
         resting = {rid for rid, _ in requests if self.resting(rid)}
+        if self._rests_whole_batch(requests, resting, tries):
+            return self._all_rest(requests, classes, t0, unavailable)
         no: dict[Any, set[str]] = {rid: set(v) for rid, v in (unavailable or {}).items()}
         built: dict[Any, dict[str, Trie]] = {}
         for rid, ts in (tries or {}).items():
@@ -660,6 +662,43 @@ class AutoPolicy:
                 shadows = [(n, cls, t, at) for n, t in built.get(rid, {}).items() if n != c.name]
                 self._shadows.setdefault(rid, []).extend(shadows)
         return {rid: c for (rid, _), c in zip(requests, picks)}
+
+    def _rests_whole_batch(
+        self, requests: Sequence[tuple[Any, float]], resting: Collection[Any], tries: Any
+    ) -> bool:
+        """Whether ``choose`` can take ``_all_rest``: every request rests, no tries were
+        built (an engine that built them wants them shadowed), and there is a ``none``."""
+        return self._none is not None and len(resting) == len(requests) and not tries
+
+    def _all_rest(
+        self,
+        requests: Sequence[tuple[Any, float]],
+        classes: Sequence[str],
+        t0: float,
+        unavailable: Mapping[Any, Collection[str]] | None,
+    ) -> dict[Any, Candidate]:
+        """``choose`` where every request rests: each gets ``none`` unread, as the full
+        path would give it, with only what that path would change (their rests run
+        down, the counts, the step's plain shape); no probe slot is due to a resting
+        request, nothing was built, so nothing is offered, probed or shadowed. Where
+        the batch rests (a class nothing pays for) this is the step's whole choice."""
+        none = self.candidates[self._none]
+        self._offers, self._raw = {}, {}
+        self._pending = {rid: (none, cls) for (rid, _), cls in zip(requests, classes)}
+        self._shape = batch_shape([none.shape] * len(requests))
+        self._priced = self.cost_model.priced()
+        for (rid, _), cls in zip(requests, classes):
+            probed = self._probed.pop(rid, None)  # a probe followed by none did not pay
+            if probed is not None and probed[0] not in (unavailable or {}).get(rid, ()):
+                self.tracker.probe_result(probed[1], paid=False, cost=probed[2])
+            self._rest_left[rid] -= 1
+            self.stats.count(cls, none.name)
+        self.stats.rested += len(requests)
+        own = self._own + self._clock() - t0
+        prev = self._choice_s
+        self._choice_s = own if prev is None else 0.8 * prev + 0.2 * own
+        self._own = 0.0
+        return dict.fromkeys((rid for rid, _ in requests), none)
 
     def _paces(
         self,

@@ -12,7 +12,10 @@ Cost model: the cached one of this model, draft and machine (``$TREESPEC_CACHE_D
 when there is one; else it starts from ``START`` (relative costs: one step, a verify row,
 a draft level, a draft row) and is refitted online, every ``REFIT_EVERY`` measured steps,
 to the last ``KEEP`` ``(shape, seconds)`` samples (``CostModel.fit``), once they hold at
-least ``MIN_SHAPES`` distinct shapes; each fit is cached (atomically) for the next start.
+least ``MIN_SHAPES`` distinct shapes; each fit is cached (atomically) for the next start,
+by a background thread when the refit is online (the write's ``fsync`` took 4-70 ms
+here, the length of 1-10 toy steps, and a step should not wait on the disk; the
+calibration's fit, ``fit_now``, is written before it returns).
 A new fit's online corrections (``CostModel.observe``) start from the last ``REPLAY``
 samples replayed through it: what it still gets wrong on the latest steps (the drafted
 ones' extra seconds above all), not from 1.
@@ -30,6 +33,7 @@ sample: its seconds hold prompt tokens its shape does not count.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from collections import Counter, deque
@@ -120,6 +124,7 @@ class VllmAuto:
         self._prefill = 0  # prompt tokens that step also ran
         self._since_fit = 0
         self._prefill_steps = 0  # timed steps left out: they prefilled too
+        self._saving: threading.Thread | None = None  # the online refit's cache write
 
     @property
     def stats(self) -> dict:
@@ -220,6 +225,11 @@ class VllmAuto:
     def forget(self, req_id: str) -> None:
         self.auto.forget(req_id)
 
+    @property
+    def forced(self) -> Candidate | None:
+        """The candidate every request is given (``force``), None while auto chooses."""
+        return self._forced
+
     # ------------------------------------------------------------- calibration
     def force(self, name: str | None) -> None:
         """Give every request candidate ``name`` (None: choose again), for calibration:
@@ -252,7 +262,7 @@ class VllmAuto:
             raise ValueError(
                 f"treespec auto: {n} timed steps of fewer than 2 shapes: nothing to fit"
             )
-        self._fit()
+        self._fit(background=False)
         return self.stats
 
     def _maybe_refit(self) -> None:
@@ -262,7 +272,9 @@ class VllmAuto:
             return
         self._fit()
 
-    def _fit(self) -> None:
+    def _fit(self, background: bool = True) -> None:
+        """Refit the cost model to the anchor and the served samples, use it, and cache
+        it: in a background thread when ``background`` (see the module)."""
         self._since_fit = 0
         fit = CostModel.fit([*self.anchor, *self.samples])
         fit.anchor = list(self.anchor)
@@ -271,12 +283,30 @@ class VllmAuto:
             fit.observe(shape, seconds)
         self.auto.cost_model = fit
         self.measured = True
+        self.wait_saved()  # one write at a time: the newer fit is written last
+        if background:
+            self._saving = threading.Thread(
+                target=self._save, args=(fit,), name="treespec-cost-model-save", daemon=True
+            )
+            self._saving.start()
+        else:
+            self._save(fit)
+
+    def _save(self, fit: CostModel) -> None:
         try:
             save_cost_model(self.dir, self.key, fit)
         except OSError as e:  # a read-only cache directory: the fit is used, not kept
             warnings.warn(
                 f"treespec auto: cost model not cached: {e}", RuntimeWarning, stacklevel=2
             )
+
+    def wait_saved(self, timeout: float | None = None) -> None:
+        """Wait for the online refit's cache write in flight, if any (a test, or a
+        caller about to read the cache)."""
+        if self._saving is not None:
+            self._saving.join(timeout)
+            if not self._saving.is_alive():
+                self._saving = None
 
 
 def calibrate_auto(

@@ -128,10 +128,11 @@ class TreeProposer:
         states, tokens = self.tr.runner.requests, self.tr.runner.input_batch.token_ids_cpu
         temps = [float(states[rid].sampling_params.temperature) for _, rid, _ in todo]
         auto = self.auto.auto
+        forced = self.auto.forced is not None  # a forced tree: nothing is chosen
         built = {  # a resting request is given none unread: no tries needed
             rid: auto.step_tries(rid, tokens[i, :n].tolist())
             for i, rid, n in todo
-            if not auto.resting(rid)
+            if not forced and not auto.resting(rid)
         }
         behind = {rid: self._behind(rid, n) for _, rid, n in todo}
         requests = [(rid, t) for (_, rid, _), t in zip(todo, temps)]
