@@ -5,6 +5,7 @@ rename removed is refused by name with nothing installed (no engine needed)."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 
@@ -211,3 +212,81 @@ def test_drafts_that_came_with_the_output_go_to_the_scheduler_and_skip_the_round
     update(core.scheduler, None, types.SimpleNamespace(treespec_draft_token_ids=None))
     post_step(core, True)  # the worker sent "no drafts": nothing to apply, no round trip
     assert Executor.calls == 1 and core.scheduler.applied == [drafts]
+
+
+def test_a_layer_without_a_tree_backend_is_refused_at_load(monkeypatch):
+    """``TreeRunner.on_model_loaded`` refuses an engine whose attention layers did not get
+    the tree backend (they would verify tree rows with the causal kernel), naming the
+    layers and the implementation they got; layers that did pass."""
+    from types import SimpleNamespace
+
+    import vllm.config
+
+    from tree_dev.vllm_plugin.attention import TreeRowsMixin
+    from tree_dev.vllm_plugin.runner import TreeRunner
+
+    class Plain:
+        pass
+
+    class Tree(TreeRowsMixin):
+        pass
+
+    st = TreeRunner.__new__(TreeRunner)
+    st.runner = SimpleNamespace(vllm_config=None)
+    st.cfg = SimpleNamespace(uses_draft_model=False)
+    layers = {"model.layers.0.attn": SimpleNamespace(impl=Tree())}
+    monkeypatch.setattr(vllm.config, "get_layers_from_vllm_config", lambda *a: layers)
+    st.on_model_loaded()
+    assert st.target_layers == ["model.layers.0.attn"]
+    layers["model.layers.1.attn"] = SimpleNamespace(impl=Plain())
+    with pytest.raises(ValueError, match=r"model.layers.1.attn.*got Plain"):
+        st.on_model_loaded()
+
+
+SAME_PROCESS = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, {tests!r})
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_engines import TARGET, held_out_prompts
+kw = dict(model=TARGET, dtype="float32", max_model_len=512, max_num_seqs=4, enforce_eager=True,
+          seed=0)
+prompts = [TokensPrompt(prompt_token_ids=p) for p in held_out_prompts(8, lo=24, hi=96)]
+sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+plain = LLM(**kw)
+want = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, sp, use_tqdm=False)]
+spec = {{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3}}
+tree = LLM(**kw, speculative_config=spec,
+           additional_config={{"treespec": {{"tree": "ngram:budget=8"}}}})
+got = [list(o.outputs[0].token_ids) for o in tree.generate(prompts, sp, use_tqdm=False)]
+stats = tree.collective_rpc("treespec_tree_stats")[0]
+print("RESULT " + json.dumps({{"want": want, "got": got, "stats": stats}}))
+"""
+
+
+@pytest.mark.full
+def test_a_tree_engine_after_a_plain_one_in_the_same_process_is_lossless(tmp_path):
+    """A plain vLLM engine built first in the same process (V1 multiprocessing off) left
+    its attention backend in vLLM's selector cache; the tree engine after it got that
+    backend and verified its trees with the causal kernel: 5 of 8 greedy outputs
+    changed (toy, n-gram trie). The override now clears that cache: in a fresh process,
+    plain then tree, the tree engine's greedy outputs equal the plain engine's, token
+    for token, with drafts accepted (its trees were verified, not skipped)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    script = tmp_path / "same_process.py"
+    script.write_text(SAME_PROCESS.format(tests=tests))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["got"] == out["want"]
+    assert out["stats"]["tree_steps"] > 0 and sum(out["stats"]["depth_accepted"]) > 0, out["stats"]

@@ -213,7 +213,14 @@ def _runner_init(orig):
 
 
 def _register_attention_override() -> None:
+    """Point ``CPU_ATTN`` (CPU) / ``TRITON_ATTN`` (CUDA) at the tree backends, and forget
+    the backends vLLM's selector resolved before (``_cached_get_attn_backend`` is a
+    ``functools.cache``): a plain engine built earlier in the same process (V1
+    multiprocessing off) left the plain backend there, and the tree engine's layers got
+    it, verifying trees with the causal kernel (5 of 8 greedy outputs changed on the
+    toy). ``TreeRunner.on_model_loaded`` checks every layer got a tree backend."""
     from vllm.platforms import current_platform
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
@@ -231,6 +238,7 @@ def _register_attention_override() -> None:
             "treespec: tree verification inside vLLM runs on the CPU and CUDA attention "
             f"backends; platform {current_platform.device_type!r} is not supported"
         )
+    selector._cached_get_attn_backend.cache_clear()
 
 
 def _force_triton_on_cuda(vllm_config) -> None:
@@ -499,6 +507,12 @@ CATALOGUE: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.attention.backends.registry:register_backend",
         "override CPU_ATTN (CPU) / TRITON_ATTN (CUDA) with the tree attention backends",
+        "use",
+    ),
+    Patch(
+        "vllm.v1.attention.selector:_cached_get_attn_backend",
+        "cleared when the override is registered: it keeps the backend a plain engine of "
+        "the same process resolved before",
         "use",
     ),
     Patch(

@@ -130,8 +130,20 @@ class TreeRunner:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
+        from tree_dev.vllm_plugin.attention import TreeRowsMixin
+
         r = self.runner
         layers = get_layers_from_vllm_config(r.vllm_config, Attention)
+        plain = sorted(
+            n for n, layer in layers.items() if not isinstance(layer.impl, TreeRowsMixin)
+        )
+        if plain:  # never verify trees with a causal kernel: outputs would silently change
+            raise ValueError(
+                f"treespec: attention layers {plain[:3]}{' ...' if len(plain) > 3 else ''} "
+                f"got {type(layers[plain[0]].impl).__name__}, not a tree attention backend "
+                "(another attention backend was selected for this engine: its tree rows "
+                "would be verified as causal rows)"
+            )
         draft_names: set[str] = set()
         if self.cfg.uses_draft_model:
             draft_names = set(getattr(r.drafter, "_draft_attn_layer_names", set()))
