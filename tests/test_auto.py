@@ -1668,16 +1668,19 @@ def test_a_resting_request_finds_a_trie_that_begins_to_match():
 
 def test_a_request_rests_only_where_choosing_is_dear():
     """Nothing pays, as above; on a clock where each reading is 1 ms later, choosing
-    costs 1 ms a request. Against measured 4 ms steps (25%) the request rests; against
-    10 s steps (0.01%, below ``rest_above``'s 0.5%) it never does: there a rest would
-    only miss tries that match, for nothing saved. Unmeasured, no rest either."""
+    costs 1 ms a request. With ``rest_above`` 0.005: against measured 4 ms steps (25%)
+    the request rests; against 10 s steps (0.01%, below 0.5%) it never does; unmeasured,
+    no rest either. With the default (0) it rests alike on all three: timing aside."""
     rested = {}
-    for a in (0.004, 10.0, None):
-        clock = itertools.count(0.0, 0.001).__next__  # each reading 1 ms later
-        cost = CostModel(a=a or 1.0, b=0.0, c=2 * (a or 1.0), d=0.0)  # chain:2: 3x none
-        policy = AutoPolicy(["chain:2"], cost, clock=clock)
-        for _ in range(30):
-            pick = policy.choose([("r", 0.8)])["r"]
-            policy.record([step_of("r", pick.depth, 0)], seconds=a)
-        rested[a] = policy.stats.rested
-    assert rested[0.004] > 10 and rested[10.0] == 0 and rested[None] == 0
+    for above in (0.005, None):
+        for a in (0.004, 10.0, None):
+            clock = itertools.count(0.0, 0.001).__next__  # each reading 1 ms later
+            cost = CostModel(a=a or 1.0, b=0.0, c=2 * (a or 1.0), d=0.0)  # chain:2: 3x none
+            kw = {} if above is None else {"rest_above": above}
+            policy = AutoPolicy(["chain:2"], cost, clock=clock, **kw)
+            for _ in range(30):
+                pick = policy.choose([("r", 0.8)])["r"]
+                policy.record([step_of("r", pick.depth, 0)], seconds=a)
+            rested[above, a] = policy.stats.rested
+    assert rested[0.005, 0.004] > 10 and rested[0.005, 10.0] == 0 and rested[0.005, None] == 0
+    assert rested[None, 0.004] == rested[None, 10.0] == rested[None, None] > 10

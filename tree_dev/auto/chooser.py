@@ -373,12 +373,16 @@ class AutoPolicy:
     in 5 at most, and a trie that begins to match is found within ``longest_rest``
     steps. Engines skip ``step_tries`` for a request that ``resting``. A rest also
     misses the matches of the steps it skips (on SmolLM2, a queue of 24 greedy requests
-    for 8 slots, the long trie was seen on half as many steps), so it begins only where
-    choosing is dear: where one awake request's ``step_tries`` and share of ``choose``
-    (timed by ``clock``, a decayed mean) take at least ``rest_above`` (0.5%) of a
-    measured step (``record``'s seconds, a decayed mean: the toy's 7 ms steps, not
-    SmolLM2's 60-100 ms ones); no rest before a step is measured. ``rest_above=0``
-    rests wherever nothing pays, timing aside (deterministic).
+    for 8 slots, the long trie was seen on half as many steps). ``rest_above`` (a
+    fraction, default 0: rest wherever nothing pays, timing aside, deterministic) makes
+    a rest begin only where choosing is dear: where one awake request's ``step_tries``
+    and share of ``choose`` (timed by ``clock``, a decayed mean) take at least that
+    share of a measured step (``record``'s seconds, a decayed mean); no rest before a
+    step is measured. At 0.005 SmolLM2's 60-100 ms steps never rested; paired in one
+    engine (``bench.auto_ab``, SmolLM2 + EAGLE, 4 waves), 0 over 0.005 read 1.063 at 8
+    concurrent T=0.8, 1.035 at 8 concurrent greedy (the queue of 24 above), 0.999 and
+    0.992 at 4 concurrent greedy and T=0.8: the missed matches cost less than the
+    tries and rows a step built for every request.
 
     >>> from tree_dev.step import RequestStep
     >>> auto = AutoPolicy(["chain:2", "chain:6"], CostModel(a=0.010, b=0.0, c=0.001, d=0.0))
@@ -405,7 +409,7 @@ class AutoPolicy:
         class_drift_recover: float = 0.99,
         rest_after: int = 4,
         longest_rest: int = 4,
-        rest_above: float = 0.005,
+        rest_above: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
     ):
         for decay, recover in (
