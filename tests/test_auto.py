@@ -1580,7 +1580,8 @@ def test_a_batch_that_rests_whole_is_chosen_as_the_full_path_chooses(seed):
     tries built on the steps a request is awake, as an engine does; accepted drafts at
     random) run through a policy with it and one without: every pick, the probes and
     their backoff, the rests, the counts and the step shape agree, step by step, and
-    the short path was taken."""
+    the short path was taken (the first 40 steps: no match, nothing accepted, nobody
+    joins, so the requests rest in step)."""
     rng = np.random.default_rng(seed)
     cost = CostModel(a=0.004, b=0.0, c=0.004, d=0.0)
     cands = ["chain:2", "ngram:budget=4"]
@@ -1598,7 +1599,7 @@ def test_a_batch_that_rests_whole_is_chosen_as_the_full_path_chooses(seed):
     fast._all_rest = counted
     live = {f"r{i}": (float(rng.choice([0.0, 0.8])), [1, 2, 3]) for i in range(4)}
     for t in range(120):
-        if rng.random() < 0.03:  # a request leaves, another joins
+        if t >= 40 and rng.random() < 0.03:  # a request leaves, another joins
             gone = sorted(live)[int(rng.integers(len(live)))]
             del live[gone]
             fast.forget(gone)
@@ -1623,8 +1624,8 @@ def test_a_batch_that_rests_whole_is_chosen_as_the_full_path_chooses(seed):
             policy.record(steps)
         assert picks[0] == picks[1], t
         assert fast.step_shape == full.step_shape
-        for _, ctx in live.values():  # sampled text: a new token, rarely a repeat
-            ctx.append(int(rng.integers(1, 4)) if rng.random() < 0.2 else 10 + t)
+        for _, ctx in live.values():  # new tokens (no match) at first, then repeats too
+            ctx.append(int(rng.integers(1, 4)) if t >= 40 and rng.random() < 0.2 else 10 + t)
     assert short > 0
     assert fast.stats.as_dict() == full.stats.as_dict()
     assert fast._rest_left == full._rest_left and fast._none_run == full._none_run
