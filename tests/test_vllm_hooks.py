@@ -225,11 +225,8 @@ def test_a_layer_without_a_tree_backend_is_refused_at_load(monkeypatch):
     from tree_dev.vllm_plugin.attention import TreeRowsMixin
     from tree_dev.vllm_plugin.runner import TreeRunner
 
-    class Plain:
-        pass
-
-    class Tree(TreeRowsMixin):
-        pass
+    Plain = type("Plain", (), {})
+    Tree = type("Tree", (TreeRowsMixin,), {})
 
     st = TreeRunner.__new__(TreeRunner)
     st.runner = SimpleNamespace(vllm_config=None)

@@ -655,11 +655,7 @@ class AutoPolicy:
         for c, cls in zip(picks, classes):
             self.stats.count(cls, c.name)
         self._update_rest(requests, picks, expected, resting)
-        awake_n = max(len(requests) - len(resting), 1)
-        own = (self._own + self._clock() - t0) / awake_n
-        prev = self._choice_s
-        self._choice_s = own if prev is None else 0.8 * prev + 0.2 * own
-        self._own = 0.0
+        self._timed_choice(t0, max(len(requests) - len(resting), 1))
         for (rid, _), c, cls in zip(requests, picks, classes):  # the tries not run: shadows
             at = self._built_at.pop(rid, None)
             if at is not None:
@@ -690,7 +686,6 @@ class AutoPolicy:
         self._offers, self._raw = {}, {}
         self._pending = {rid: (none, cls) for (rid, _), cls in zip(requests, classes)}
         self._shape = batch_shape([none.shape] * len(requests))
-        self._priced = self.cost_model.priced()
         for (rid, _), cls in zip(requests, classes):
             probed = self._probed.pop(rid, None)  # a probe followed by none did not pay
             if probed is not None and probed[0] not in (unavailable or {}).get(rid, ()):
@@ -698,11 +693,16 @@ class AutoPolicy:
             self._rest_left[rid] -= 1
             self.stats.count(cls, none.name)
         self.stats.rested += len(requests)
-        own = self._own + self._clock() - t0
+        self._timed_choice(t0, 1)
+        return dict.fromkeys((rid for rid, _ in requests), none)
+
+    def _timed_choice(self, t0: float, awake: int) -> None:
+        """Fold this step's choosing (its ``step_tries`` and ``choose`` since ``t0``), per
+        ``awake`` request, into the decayed mean a rest is set against (``rest_above``)."""
+        own = (self._own + self._clock() - t0) / awake
         prev = self._choice_s
         self._choice_s = own if prev is None else 0.8 * prev + 0.2 * own
         self._own = 0.0
-        return dict.fromkeys((rid for rid, _ in requests), none)
 
     def _paces(
         self,
